@@ -1,0 +1,3 @@
+from spec_cli.cli import main
+
+main()

@@ -1,0 +1,59 @@
+"""The `spec-cli` command: registers one typer command per module and formats errors once (the `hf` pattern)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from spec_cli.errors import SpecCliError
+
+app = typer.Typer(
+    name="spec-cli",
+    help="Speculative decoding for GGUF models, shaped like llama.cpp's tools.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _register() -> None:
+    from spec_cli.cli import models, run, speculative
+
+    app.command("run")(run.run)
+    app.command("speculative-simple")(speculative.speculative_simple)
+    app.add_typer(models.app, name="models")
+
+
+_register()
+
+
+def main() -> None:
+    """Entry point: one-line errors with exit code 1 (runtime) or 2 (usage); SPEC_CLI_DEBUG=1 shows tracebacks."""
+    debug = os.environ.get("SPEC_CLI_DEBUG") == "1"
+    try:
+        app(standalone_mode=False)
+    except SpecCliError as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as e:  # click usage errors carry their own formatting and exit code 2
+        import click
+
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        if debug:
+            raise
+        print(f"error: {type(e).__name__}: {e} (set SPEC_CLI_DEBUG=1 for the traceback)", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,158 @@
+"""Flags shared by the commands, declared once with llama.cpp's spellings (both generations of names).
+
+`@with_options(MODEL, SAMPLING, SPEC)` appends the groups' typer options to a command's own parameters and hands
+the command their values as one dict (`opts`), which `engine_options` / `sampling_params` turn into the
+engine's dataclasses. So every command spells `-m`, `--temp` or `--spec-type` the same way with the same help.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import typer
+
+from spec_cli.engine import EngineOptions
+from spec_cli.errors import UsageError
+from spec_cli.sampling import SamplingParams
+from spec_cli.speculative.base import SpecParams
+from spec_cli.speculative.chain import parse_spec_types
+
+
+@dataclass(frozen=True)
+class Opt:
+    name: str
+    annotation: Any
+    default: Any
+    flags: tuple[str, ...]
+    help: str
+
+
+MODEL = ("Model and context", [
+    Opt("model", Optional[str], None, ("-m", "--model"), "GGUF file or models.toml name (default: the default model)"),
+    Opt("ctx_size", int, 4096, ("-c", "--ctx-size"), "context size in tokens, split across sequences (0 = model's)"),
+    Opt("batch_size", int, 2048, ("-b", "--batch-size"), "logical batch size (max rows per decode)"),
+    Opt("ubatch_size", int, 512, ("-ub", "--ubatch-size"), "physical batch size (rows per forward)"),
+    Opt("threads", Optional[int], None, ("-t", "--threads"), "CPU threads (default: torch's)"),
+    Opt("n_gpu_layers", int, -1, ("-ngl", "--n-gpu-layers", "--gpu-layers"), "blocks on the GPU, last first (-1 = all)"),
+    Opt("device", str, "auto", ("-dev", "--device"), "auto | cpu | cuda | cuda:N"),
+    Opt("dtype", str, "auto", ("--dtype",), "auto (bf16 on CUDA, f32 on CPU) | f32 | f16 | bf16"),
+])
+
+SAMPLING = ("Sampling", [
+    Opt("seed", int, -1, ("-s", "--seed"), "RNG seed (-1 = random)"),
+    Opt("temp", float, 0.8, ("--temp", "--temperature"), "temperature; <= 0 is greedy"),
+    Opt("top_k", int, 40, ("--top-k",), "top-k sampling (0 = off)"),
+    Opt("top_p", float, 0.95, ("--top-p",), "top-p sampling (1.0 = off)"),
+    Opt("min_p", float, 0.05, ("--min-p",), "min-p sampling (0.0 = off)"),
+    Opt("repeat_penalty", float, 1.0, ("--repeat-penalty",), "penalize repeated tokens (1.0 = off)"),
+    Opt("repeat_last_n", int, 64, ("--repeat-last-n",), "tokens considered by the penalties"),
+    Opt("presence_penalty", float, 0.0, ("--presence-penalty",), "presence penalty (0.0 = off)"),
+    Opt("frequency_penalty", float, 0.0, ("--frequency-penalty",), "frequency penalty (0.0 = off)"),
+    Opt("ignore_eos", bool, False, ("--ignore-eos",), "keep generating past end-of-generation tokens"),
+])
+
+SPEC = ("Speculative decoding", [
+    Opt("spec_type", Optional[list[str]], None, ("--spec-type",),
+        "drafters, comma list, repeatable: none, draft-simple|draft, draft-mtp|mtp, ngram-simple, ngram-map-k, "
+        "ngram-map-k4v, ngram-mod, ngram-cache"),
+    Opt("model_draft", Optional[str], None, ("-md", "--model-draft", "--spec-draft-model"),
+        "draft model (GGUF or name); alone it enables draft-simple"),
+    Opt("n_gpu_layers_draft", int, -1, ("-ngld", "--n-gpu-layers-draft", "--gpu-layers-draft", "--spec-draft-ngl"),
+        "draft blocks on the GPU (-1 = all)"),
+    Opt("device_draft", Optional[str], None, ("-devd", "--device-draft", "--spec-draft-device"),
+        "draft device (default: the target's; none = cpu)"),
+    Opt("ctx_size_draft", int, 0, ("-cd", "--ctx-size-draft"), "ignored: the draft context equals the target's"),
+    Opt("threads_draft", Optional[int], None, ("-td", "--threads-draft", "--spec-draft-threads"),
+        "accepted for compatibility: torch uses one thread pool"),
+    Opt("draft_max", int, 16, ("--draft-max", "--draft", "--draft-n", "--spec-draft-n-max"), "max draft tokens per step"),
+    Opt("draft_min", int, 0, ("--draft-min", "--draft-n-min", "--spec-draft-n-min"), "min draft tokens (else no draft)"),
+    Opt("draft_p_min", float, 0.75, ("--draft-p-min", "--spec-draft-p-min"), "stop drafting below this probability"),
+    Opt("spec_verify", str, "auto", ("--spec-verify",), "auto | match | rejection"),
+    Opt("ngram_simple_size_n", int, 12, ("--spec-ngram-simple-size-n",), "ngram-simple pattern length"),
+    Opt("ngram_simple_size_m", int, 48, ("--spec-ngram-simple-size-m",), "ngram-simple draft length"),
+    Opt("ngram_simple_min_hits", int, 1, ("--spec-ngram-simple-min-hits",), "ngram-simple min hits (unused, as llama.cpp)"),
+    Opt("ngram_map_k_size_n", int, 12, ("--spec-ngram-map-k-size-n",), "ngram-map-k key length"),
+    Opt("ngram_map_k_size_m", int, 48, ("--spec-ngram-map-k-size-m",), "ngram-map-k draft length"),
+    Opt("ngram_map_k_min_hits", int, 1, ("--spec-ngram-map-k-min-hits",), "ngram-map-k min hits"),
+    Opt("ngram_map_k4v_size_n", int, 12, ("--spec-ngram-map-k4v-size-n",), "ngram-map-k4v key length"),
+    Opt("ngram_map_k4v_size_m", int, 48, ("--spec-ngram-map-k4v-size-m",), "ngram-map-k4v draft length"),
+    Opt("ngram_map_k4v_min_hits", int, 1, ("--spec-ngram-map-k4v-min-hits",), "ngram-map-k4v min hits"),
+    Opt("ngram_mod_n_match", int, 24, ("--spec-ngram-mod-n-match",), "ngram-mod hashed n-gram length"),
+    Opt("ngram_mod_n_min", int, 48, ("--spec-ngram-mod-n-min",), "ngram-mod min draft length"),
+    Opt("ngram_mod_n_max", int, 64, ("--spec-ngram-mod-n-max",), "ngram-mod max draft length"),
+    Opt("lookup_cache_static", Optional[str], None, ("-lcs", "--lookup-cache-static"), "static n-gram cache file"),
+    Opt("lookup_cache_dynamic", Optional[str], None, ("-lcd", "--lookup-cache-dynamic"), "dynamic n-gram cache file"),
+])
+
+
+def with_options(*groups):
+    """Append the groups' options to the decorated command; it receives their values as `opts: dict`."""
+
+    def decorate(fn):
+        sig = inspect.signature(fn)
+        own = [p for p in sig.parameters.values() if p.name != "opts"]
+        extra = [
+            inspect.Parameter(
+                o.name, inspect.Parameter.KEYWORD_ONLY, annotation=o.annotation,
+                default=typer.Option(o.default, *o.flags, help=o.help, rich_help_panel=panel, show_default=True),
+            )
+            for panel, opts in groups
+            for o in opts
+        ]
+
+        @functools.wraps(fn)
+        def wrapper(**kwargs):
+            mine = {k: kwargs.pop(k) for k in list(kwargs) if k in sig.parameters}
+            return fn(**mine, opts=kwargs)
+
+        wrapper.__signature__ = sig.replace(parameters=own + extra)
+        return wrapper
+
+    return decorate
+
+
+def spec_params(opts: dict) -> SpecParams:
+    if opts["draft_max"] < 0 or opts["draft_min"] < 0:
+        raise UsageError("--draft-max and --draft-min must be >= 0")
+    if not 0.0 <= opts["draft_p_min"] <= 1.0:
+        raise UsageError("--draft-p-min must be in [0, 1]")
+    if opts["spec_verify"] not in ("auto", "match", "rejection"):
+        raise UsageError("--spec-verify must be auto, match or rejection")
+    fields = {f for f in SpecParams.__dataclass_fields__ if f in opts}
+    params = SpecParams(**{f: opts[f] for f in fields})
+    params.types = parse_spec_types(opts["spec_type"])
+    params.verify = opts["spec_verify"]
+    return params
+
+
+def engine_options(opts: dict, n_seq: int = 1) -> EngineOptions:
+    for name, flag in (("ctx_size", "-c"), ("batch_size", "-b"), ("ubatch_size", "-ub")):
+        if opts[name] < (0 if name == "ctx_size" else 1):
+            raise UsageError(f"{flag} must be positive")
+    return EngineOptions(
+        model=opts["model"], model_draft=opts.get("model_draft"), n_ctx=opts["ctx_size"], n_batch=opts["batch_size"],
+        n_ubatch=opts["ubatch_size"], n_seq=n_seq, threads=opts["threads"], device=opts["device"],
+        n_gpu_layers=opts["n_gpu_layers"], device_draft=opts.get("device_draft"),
+        n_gpu_layers_draft=opts.get("n_gpu_layers_draft", -1), dtype=opts["dtype"],
+        spec=spec_params(opts) if "spec_type" in opts else SpecParams(),
+    )
+
+
+def sampling_params(opts: dict) -> SamplingParams:
+    params = SamplingParams(**{f: opts[f] for f in SamplingParams.__dataclass_fields__ if f in opts})
+    params.validate()
+    return params
+
+
+PROMPT = ("Prompt and output", [
+    Opt("prompt", Optional[str], None, ("-p", "--prompt"), "prompt text (special tokens like <|im_start|> are parsed)"),
+    Opt("file", Optional[str], None, ("-f", "--file"), "read the prompt from a file"),
+    Opt("n_predict", int, -1, ("-n", "--n-predict"), "tokens to generate (-1 = until end of generation or context)"),
+    Opt("conversation", bool, False, ("-cnv", "--conversation", "--chat"),
+        "chat mode: apply the model's chat template (interactive when stdin is a terminal)"),
+    Opt("chat_template", Optional[str], None, ("--chat-template",), "override the chat template (jinja or chatml|gemma)"),
+    Opt("json_output", bool, False, ("--json",), "print one JSON object (text, timings, statistics) instead of streaming"),
+])

@@ -1,0 +1,77 @@
+"""Rich tables for the end of a run (stderr), and llama.cpp-style text lines (`--log-format text`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from spec_cli.speculative.stats import DrafterStats
+
+stderr = Console(stderr=True)
+
+
+def print_json(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+
+
+def run_table(d: dict) -> Table:
+    t = Table(title="run", title_justify="left", show_header=True, header_style="bold")
+    for col in ("", "tokens", "ms", "tok/s"):
+        t.add_column(col, justify="right" if col else "left")
+    t.add_row("load", "", f"{d['load_ms']:.0f}", "")
+    t.add_row("prompt", str(d["prompt_n"]), f"{d['prompt_ms']:.1f}", f"{d['prompt_per_second']:.2f}")
+    t.add_row("generation", str(d["predicted_n"]), f"{d['predicted_ms']:.1f}", f"{d['predicted_per_second']:.2f}")
+    return t
+
+
+def speculation_table(d: dict) -> Table:
+    t = Table(title="speculation", title_justify="left", header_style="bold")
+    for col in ("n_draft", "n_predict", "n_drafted", "n_accept", "accept %", "steps", "mean acc len",
+                "draft ms", "verify ms", "accept ms"):
+        t.add_column(col, justify="right")
+    split = d["time_split_ms"]
+    t.add_row(str(d["n_draft"]), str(d["predicted_n"]), str(d["n_drafted"]), str(d["n_accept"]),
+              f"{d['accept']:.3f}", str(d["n_steps"]), f"{d['mean_acc_len']:.2f}", f"{split['draft']:.1f}",
+              f"{split['verify']:.1f}", f"{split['accept']:.1f}")
+    return t
+
+
+def drafter_table(drafters: list[dict]) -> Table:
+    t = Table(title="drafters", title_justify="left", header_style="bold")
+    for col in ("type", "calls b/g/a", "gen drafts", "acc drafts", "gen tokens", "acc tokens", "acc %",
+                "mean acc len", "acc rate/pos", "begin/draft/accept ms"):
+        t.add_column(col, justify="left" if col in ("type", "acc rate/pos") else "right")
+    for s in drafters:
+        rates = " ".join(f"{r:.2f}" for r in s["acc_rate_per_pos"][:8]) + (" …" if len(s["acc_rate_per_pos"]) > 8 else "")
+        t.add_row(s["name"], f"{s['n_call_begin']}/{s['n_call_draft']}/{s['n_call_accept']}", str(s["n_gen_drafts"]),
+                  str(s["n_acc_drafts"]), str(s["n_gen_tokens"]), str(s["n_acc_tokens"]),
+                  f"{100 * s['acceptance']:.1f}", f"{s['mean_acc_len']:.2f}", rates,
+                  f"{s['t_begin_us'] / 1e3:.1f}/{s['t_draft_us'] / 1e3:.1f}/{s['t_accept_us'] / 1e3:.1f}")
+    return t
+
+
+def print_summary(d: dict) -> None:
+    stderr.print()
+    stderr.print(run_table(d))
+    if "n_drafted" in d:
+        stderr.print(speculation_table(d))
+        stderr.print(drafter_table(d["drafters"]))
+
+
+def print_text_log(d: dict) -> None:
+    """llama-speculative-simple's end-of-run lines."""
+    w = sys.stderr.write
+    w("\n")
+    w(f"encoded {d['prompt_n']:4d} tokens in {d['prompt_ms'] / 1e3:8.3f} seconds, speed: {d['prompt_per_second']:8.3f} t/s\n")
+    w(f"decoded {d['predicted_n']:4d} tokens in {d['predicted_ms'] / 1e3:8.3f} seconds, "
+      f"speed: {d['predicted_per_second']:8.3f} t/s\n\n")
+    if "n_drafted" in d:
+        w(f"n_draft   = {d['n_draft']}\nn_predict = {d['predicted_n']}\nn_drafted = {d['n_drafted']}\n"
+          f"n_accept  = {d['n_accept']}\naccept    = {d['accept']:.3f}%\n\ndraft:\n\n")
+        for s in d["drafters"]:
+            stats = DrafterStats(**{k: v for k, v in s.items() if k in DrafterStats.__dataclass_fields__})
+            w(stats.format_line() + "\n")
+    w(f"\ntarget:\n\nload time = {d['load_ms']:10.2f} ms\n")

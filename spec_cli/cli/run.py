@@ -1,0 +1,67 @@
+"""`spec-cli run` ~ llama-cli: generate from a prompt, or chat (-cnv), with any speculative flags.
+
+Examples:
+  spec-cli run -m qwen2.5-coder-0.5b -p "def fibonacci(n):" -n 64 --temp 0
+  spec-cli run -p "Write a haiku about the sea" -cnv --spec-type ngram-mod
+"""
+
+from __future__ import annotations
+
+import sys
+
+from spec_cli.cli.common import TextCollector, TextStream, prompt_tokens, read_prompt, run_once
+from spec_cli.cli.options import MODEL, PROMPT, SAMPLING, SPEC, engine_options, sampling_params, with_options
+from spec_cli.cli.output import print_json, print_summary, stderr
+from spec_cli.engine import build_engine
+from spec_cli.generate import generate
+
+
+@with_options(MODEL, PROMPT, SAMPLING, SPEC)
+def run(opts: dict) -> None:
+    """Generate text from a prompt (llama-cli). Streams to stdout, then a summary on stderr."""
+    interactive = opts["conversation"] and sys.stdin.isatty() and not opts["json_output"]
+    text = read_prompt(opts, required=not interactive)
+    sampling = sampling_params(opts)
+    engine = build_engine(engine_options(opts))
+    if interactive:
+        chat_loop(engine, text, sampling, opts)
+        return
+    tokens = prompt_tokens(engine, text, opts["conversation"], opts["chat_template"])
+    sink = TextCollector(engine) if opts["json_output"] else TextStream(engine)
+    result = run_once(engine, tokens, sampling, opts["n_predict"], sink)
+    summary = result.to_dict(engine)
+    if opts["json_output"]:
+        print_json(summary)
+    else:
+        sys.stdout.write("\n")
+        print_summary(summary)
+
+
+def chat_loop(engine, first: str | None, sampling, opts: dict) -> None:
+    """Interactive conversation: the KV cache keeps the common prefix of the re-rendered chat between turns."""
+    tok = engine.tokenizer
+    messages: list[dict] = []
+    cached: list[int] = []
+    gen = engine.generator()
+    message = first
+    while True:
+        if message is None:
+            try:
+                message = input("\n> ")
+            except EOFError:
+                return
+            if message.strip() in ("/exit", "/quit"):
+                return
+        messages.append({"role": "user", "content": message})
+        text = tok.apply_chat_template(messages, True, opts["chat_template"])
+        tokens = tok.encode(text, add_special=True, parse_special=True)
+        n_cached = 0
+        while n_cached < min(len(cached), len(tokens)) and cached[n_cached] == tokens[n_cached]:
+            n_cached += 1
+        sink = TextStream(engine)
+        seq = generate(gen, tokens, sampling, opts["n_predict"], on_emit=sink, n_cached=n_cached)
+        reply = sink.close()
+        cached = seq.tokens
+        messages.append({"role": "assistant", "content": reply})
+        stderr.print(f"[dim]{seq.n_generated} tokens[/dim]")
+        message = None

@@ -1,0 +1,41 @@
+"""`spec-cli speculative-simple` ~ llama-speculative-simple: one sequence, any --spec-type chain, end-of-run stats.
+
+Examples:
+  spec-cli speculative-simple -m qwen2.5-coder-1.5b -md qwen2.5-coder-0.5b -f prompt.txt --temp 0 --color
+  spec-cli speculative-simple -p "..." --spec-type ngram-mod,draft -md qwen2.5-coder-0.5b --json
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from spec_cli.cli.common import TextCollector, TextStream, prompt_tokens, read_prompt, run_once
+from spec_cli.cli.options import MODEL, PROMPT, SAMPLING, SPEC, engine_options, sampling_params, with_options
+from spec_cli.cli.output import print_json, print_summary, print_text_log
+from spec_cli.engine import build_engine
+from spec_cli.errors import UsageError
+
+
+@with_options(MODEL, PROMPT, SAMPLING, SPEC)
+def speculative_simple(
+    opts: dict,
+    color: bool = typer.Option(False, "--color", help="show tokens that came from accepted drafts in green"),
+    log_format: str = typer.Option("table", "--log-format", help="table (rich) | text (llama.cpp's lines)"),
+) -> None:
+    """Speculative decoding of one prompt with end-of-run statistics (llama-speculative-simple)."""
+    if log_format not in ("table", "text"):
+        raise UsageError("--log-format must be table or text")
+    text = read_prompt(opts)
+    sampling = sampling_params(opts)
+    engine = build_engine(engine_options(opts))
+    tokens = prompt_tokens(engine, text, opts["conversation"], opts["chat_template"])
+    sink = TextCollector(engine) if opts["json_output"] else TextStream(engine, color=color)
+    result = run_once(engine, tokens, sampling, opts["n_predict"], sink)
+    summary = result.to_dict(engine)
+    if opts["json_output"]:
+        print_json(summary)
+        return
+    sys.stdout.write("\n")
+    (print_text_log if log_format == "text" else print_summary)(summary)

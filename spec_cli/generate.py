@@ -1,0 +1,244 @@
+"""The step loop every command shares (llama.cpp speculative-simple / server loop, ARCHITECTURE.md §3).
+
+Per step, for all active sequences at once: draft budget -> one chain.draft call -> ONE target decode holding
+[id_last] + draft of every sequence -> verify per sequence -> roll back the rejected tail (seq_rm on the
+target; drafters trim their own contexts) -> chain.accept -> emit tokens, stop conditions checked per token.
+`id_last` is the last token sampled by the target and is never in the KV cache until the next decode.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from spec_cli.batch import Batch
+from spec_cli.context import Context
+from spec_cli.errors import SpecCliError
+from spec_cli.sampling import Sampler, SamplingParams
+from spec_cli.speculative.base import DraftParams
+from spec_cli.speculative.chain import Chain
+from spec_cli.speculative.verify import choose_mode, verify_match, verify_rejection
+
+
+@dataclass
+class SpecOverrides:
+    """Per-sequence speculation settings (server per-request control); None fields use the engine's."""
+
+    enabled: bool = True
+    n_max: int | None = None
+    n_min: int | None = None
+    p_min: float | None = None
+    types: set[str] | None = None
+
+
+@dataclass
+class Sequence:
+    """One sequence being generated."""
+
+    seq: int
+    tokens: list[int]  # committed tokens (prompt + accepted), excluding id_last; tokens[i] is at position i
+    sampler: Sampler
+    n_predict: int  # -1 = until EOG or context end
+    spec: SpecOverrides = field(default_factory=SpecOverrides)
+    id_last: int = -1
+    n_generated: int = 0
+    n_prompt: int = 0
+    finish_reason: str | None = None  # "stop" (EOG), "length" (n_predict or context end), or set by the caller
+    # counters of this sequence (the server's per-request timings)
+    n_drafted: int = 0
+    n_accepted: int = 0
+    n_steps: int = 0
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Emitted:
+    seq: int
+    tokens: list[int]  # new tokens for the caller (EOG excluded)
+    from_draft: list[bool]  # per token: it was an accepted draft token
+    done: bool
+
+
+@dataclass
+class Timings:
+    t_prompt_ms: float = 0.0
+    n_prompt: int = 0
+    t_gen_ms: float = 0.0
+    n_gen: int = 0
+    t_draft_ms: float = 0.0
+    t_verify_ms: float = 0.0  # target decode of the verify batches
+    t_accept_ms: float = 0.0  # verification + rollback + drafter accept
+    n_steps: int = 0  # target decodes after the prompt
+
+
+class Generator:
+    """Bookkeeping over the target context, the tokenizer's end-of-generation ids and the drafter chain."""
+
+    def __init__(self, target: Context, eog_ids: set[int], chain: Chain | None = None, draft_max: int = 16,
+                 verify: str = "auto"):
+        self.target = target
+        self.eog_ids = eog_ids
+        self.chain = chain
+        self.draft_max = draft_max
+        self.verify = verify
+        self.active: dict[int, Sequence] = {}
+        self.timings = Timings()
+
+    # --- prompt ------------------------------------------------------------------------------------------
+
+    def start(self, seq: int, prompt: list[int], sampling: SamplingParams, n_predict: int = -1,
+              spec: SpecOverrides | None = None, n_cached: int = 0) -> Emitted:
+        """Prefill `prompt` on sequence `seq` (its first `n_cached` tokens already in the KV cache) and sample
+        the first token."""
+        ctx = self.target
+        if not prompt:
+            raise SpecCliError("empty prompt")
+        if len(prompt) >= ctx.n_ctx_seq:
+            raise SpecCliError(f"prompt is too long ({len(prompt)} tokens, the context holds {ctx.n_ctx_seq - 1})")
+        t0 = time.perf_counter()
+        n_cached = min(n_cached, len(prompt) - 1)
+        ctx.seq_rm(seq, n_cached)
+        logits = None
+        for start in range(n_cached, len(prompt), ctx.n_batch):
+            chunk = prompt[start : start + ctx.n_batch]
+            batch = Batch()
+            for i, tok in enumerate(chunk):
+                batch.add(tok, start + i, seq, start + i == len(prompt) - 1)
+            out = ctx.decode(batch)
+            if self.chain:
+                self.chain.process(batch)
+            if out.logits.shape[0]:
+                logits = out.logits[-1]
+        sampler = Sampler(sampling, ctx.config.n_vocab, logits.device, eog_ids=sorted(self.eog_ids))
+        for tok in prompt:
+            sampler.accept(tok)
+        s = Sequence(seq, list(prompt), sampler, n_predict, spec or SpecOverrides(), n_prompt=len(prompt))
+        first = sampler.sample(logits)
+        sampler.accept(first)
+        self.active[seq] = s
+        if self.chain:
+            self.chain.begin(seq, s.tokens)
+        self.timings.t_prompt_ms += (time.perf_counter() - t0) * 1000
+        self.timings.n_prompt += len(prompt) - n_cached
+        return self._emit(s, [first], 0)
+
+    # --- one step for every active sequence ---------------------------------------------------------------
+
+    def step(self) -> list[Emitted]:
+        seqs = [s for s in self.active.values() if not s.done]
+        if not seqs:
+            return []
+        t0 = time.perf_counter()
+        params = self._draft(seqs)
+        t1 = time.perf_counter()
+        batch = Batch()
+        rows: dict[int, int] = {}
+        for s in seqs:
+            rows[s.seq] = len(batch)
+            draft = params[s.seq].result if s.seq in params else []
+            for i, tok in enumerate([s.id_last] + draft):
+                batch.add(tok, s.n_past + i, s.seq, True)
+        out = self.target.decode(batch)
+        if self.chain:
+            self.chain.process(batch)
+        t2 = time.perf_counter()
+        emitted = []
+        for s in seqs:
+            p = params.get(s.seq)
+            draft = p.result if p else []
+            logits = out.logits[rows[s.seq] : rows[s.seq] + 1 + len(draft)]
+            ids = self._verify(s, logits, draft, p.probs if p else None)
+            n_acc = len(ids) - 1
+            self.target.seq_rm(s.seq, s.n_past + len(ids))  # keep id_last + accepted drafts
+            if self.chain and p is not None:
+                self.chain.accept(s.seq, n_acc)
+            s.n_steps += 1
+            s.n_drafted += len(draft)
+            s.n_accepted += n_acc
+            s.tokens.append(s.id_last)
+            s.tokens.extend(ids[:-1])
+            emitted.append(self._emit(s, ids, n_acc))
+        t3 = time.perf_counter()
+        tm = self.timings
+        tm.t_draft_ms += (t1 - t0) * 1000
+        tm.t_verify_ms += (t2 - t1) * 1000
+        tm.t_accept_ms += (t3 - t2) * 1000
+        tm.t_gen_ms += (t3 - t0) * 1000
+        tm.n_steps += 1
+        return emitted
+
+    def finish(self, seq: int, reason: str = "stop") -> None:
+        """Drop a sequence (finished, cancelled, client gone); its KV cells are reused by the next request."""
+        s = self.active.pop(seq, None)
+        if s is not None and s.finish_reason is None:
+            s.finish_reason = reason
+
+    # --- internals ---------------------------------------------------------------------------------------
+
+    def _draft(self, seqs: list[Sequence]) -> dict[int, DraftParams]:
+        if not self.chain:
+            return {}
+        params: dict[int, DraftParams] = {}
+        for s in seqs:
+            if not s.spec.enabled:
+                continue
+            n_max = s.spec.n_max if s.spec.n_max is not None else self.draft_max
+            n_max = min(n_max, self.target.n_ctx_seq - s.n_past - 2)
+            if s.n_predict >= 0:
+                n_max = min(n_max, s.n_predict - s.n_generated - 1)
+            if n_max > 0:
+                params[s.seq] = DraftParams(s.seq, n_max, s.n_past, s.id_last, s.tokens)
+        if params:
+            enabled = None
+            if any(s.spec.types is not None for s in seqs):
+                every = set(self.chain.names)
+                enabled = {s.seq: every if s.spec.types is None else s.spec.types for s in seqs}
+            self.chain.draft(list(params.values()), enabled)
+        return params
+
+    def _verify(self, s: Sequence, logits, draft: list[int], draft_probs) -> list[int]:
+        mode = choose_mode(self.verify, draft_probs is not None, s.sampler.params.greedy)
+        if mode == "rejection" and draft:
+            return verify_rejection(s.sampler, logits, draft, draft_probs)
+        return verify_match(s.sampler, logits, draft)
+
+    def _emit(self, s: Sequence, ids: list[int], n_acc: int) -> Emitted:
+        """Commit-side bookkeeping: id_last, stop conditions per token (a stop inside an accepted run truncates it)."""
+        out, flags = [], []
+        s.id_last = ids[-1]
+        for i, tok in enumerate(ids):
+            if tok in self.eog_ids and not s.sampler.params.ignore_eos:
+                s.finish_reason = "stop"
+                break
+            out.append(tok)
+            flags.append(i < n_acc)
+            s.n_generated += 1
+            if s.n_predict >= 0 and s.n_generated >= s.n_predict:
+                s.finish_reason = "length"
+                break
+        if s.finish_reason is None and s.n_past >= self.target.n_ctx_seq:
+            s.finish_reason = "length"  # id_last would not fit in the context
+        self.timings.n_gen += len(out)
+        return Emitted(s.seq, out, flags, s.done)
+
+
+def generate(gen: Generator, prompt: list[int], sampling: SamplingParams, n_predict: int = -1, seq: int = 0,
+             on_emit=None, spec: SpecOverrides | None = None, n_cached: int = 0) -> Sequence:
+    """Generate one sequence to the end; `on_emit(Emitted)` streams tokens as they are committed."""
+    first = gen.start(seq, prompt, sampling, n_predict, spec, n_cached)
+    s = gen.active[seq]
+    if on_emit:
+        on_emit(first)
+    while not s.done:
+        for e in gen.step():
+            if on_emit:
+                on_emit(e)
+    gen.finish(seq)
+    return s

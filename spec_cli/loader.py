@@ -1,0 +1,152 @@
+"""GGUF file -> Transformer with weights on their devices.
+
+Raw GGML bytes are moved to the destination device first and dequantized there (quants.py), so on CUDA the
+dequantization runs on the GPU. `-ngl N` places the last N blocks on the GPU like llama.cpp (the output layer
+goes with them when N > n_layer).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from spec_cli.config import ModelConfig
+from spec_cli.errors import SpecCliError, UsageError
+from spec_cli.gguf_file import GGUFFile
+from spec_cli.model import Transformer
+from spec_cli.quants import load_tensor
+
+# GGUF block tensor suffix -> attribute path inside model.Block
+_BLOCK_NAMES = {
+    "attn_norm.weight": "attn_norm.weight",
+    "attn_q.weight": "attn.wq.weight",
+    "attn_q.bias": "attn.wq.bias",
+    "attn_k.weight": "attn.wk.weight",
+    "attn_k.bias": "attn.wk.bias",
+    "attn_v.weight": "attn.wv.weight",
+    "attn_v.bias": "attn.wv.bias",
+    "attn_output.weight": "attn.wo.weight",
+    "attn_q_norm.weight": "attn.q_norm.weight",
+    "attn_k_norm.weight": "attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attn_norm.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+    "ffn_gate.weight": "ffn.w_gate.weight",
+    "ffn_up.weight": "ffn.w_up.weight",
+    "ffn_down.weight": "ffn.w_down.weight",
+    "post_ffw_norm.weight": "post_ffn_norm.weight",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    config: ModelConfig
+    gguf: GGUFFile
+    load_ms: float
+
+
+def parse_device(name: str | None) -> torch.device:
+    """`-dev`: auto | cpu | cuda | cuda:N | none (= cpu), as llama.cpp's device names loosely."""
+    if name in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.lower() in ("cpu", "none"):
+        return torch.device("cpu")
+    try:
+        device = torch.device(name.lower())
+    except RuntimeError:
+        raise UsageError(f"unknown device '{name}' (use cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SpecCliError(f"device '{name}' requested but CUDA is not available on this machine")
+    return device
+
+
+def parse_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`--dtype auto` = bf16 on CUDA, f32 on CPU (half precision matmuls are >100x slower on this kind of CPU)."""
+    table = {"f32": torch.float32, "float32": torch.float32, "f16": torch.float16, "float16": torch.float16,
+             "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in table:
+        raise UsageError(f"unknown --dtype '{name}' (use auto, f32, f16 or bf16)")
+    return table[name]
+
+
+def layer_devices(n_layer: int, device: torch.device, n_gpu_layers: int) -> tuple[list[torch.device], torch.device]:
+    """Per-block devices and the output layer's device. -1 = everything on `device`."""
+    if device.type == "cpu" or n_gpu_layers < 0:
+        return [device] * n_layer, device
+    n_gpu = min(n_gpu_layers, n_layer)
+    cpu = torch.device("cpu")
+    devices = [cpu] * (n_layer - n_gpu) + [device] * n_gpu
+    return devices, device if n_gpu_layers > n_layer else cpu
+
+
+def _set_param(module: nn.Module, path: str, tensor: torch.Tensor) -> None:
+    *parents, leaf = path.split(".")
+    for p in parents:
+        module = getattr(module, p)
+    if getattr(module, leaf, None) is None and leaf == "bias":
+        raise SpecCliError(f"unexpected bias tensor for {path}")
+    setattr(module, leaf, nn.Parameter(tensor, requires_grad=False))
+
+
+def load_model(
+    path: str | Path, device: str | None = "auto", n_gpu_layers: int = -1, dtype: str = "auto"
+) -> LoadedModel:
+    t0 = time.perf_counter()
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_gguf(gf)
+    main_device = parse_device(device)
+    torch_dtype = parse_dtype(dtype, main_device)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.dtype = torch_dtype
+    model.layer_devices, model.output_device = layer_devices(cfg.n_layer_main, main_device, n_gpu_layers)
+    embd_device = model.layer_devices[0]
+
+    def fetch(name: str, dev: torch.device, keep_dtype: bool = False) -> torch.Tensor:
+        t = load_tensor(gf, name, dev, torch.float32)
+        return t if keep_dtype else t.to(torch_dtype)
+
+    for name, info in gf.tensors.items():
+        m = _BLOCK_RE.match(name)
+        if m:
+            layer, suffix = int(m.group(1)), m.group(2)
+            if layer >= cfg.n_layer_main:
+                continue  # NextN/MTP blocks are loaded by the MTP head
+            if suffix not in _BLOCK_NAMES:
+                raise SpecCliError(f"{gf.path.name}: unsupported tensor {name} for architecture {cfg.arch}")
+            dev = model.layer_devices[layer]
+            is_norm = suffix.endswith("norm.weight") or suffix.endswith(".bias")
+            _set_param(model.layers[layer], _BLOCK_NAMES[suffix], fetch(name, dev, keep_dtype=is_norm))
+        elif name == "token_embd.weight":
+            _load_embedding(model, gf, embd_device, torch_dtype)
+        elif name == "output_norm.weight":
+            _set_param(model, "norm.weight", fetch(name, model.output_device, keep_dtype=True))
+        elif name == "output.weight":
+            _set_param(model, "output.weight", fetch(name, model.output_device))
+        else:
+            raise SpecCliError(f"{gf.path.name}: unsupported tensor {name} for architecture {cfg.arch}")
+    if cfg.tied_output:
+        _set_param(model, "output.weight", fetch("token_embd.weight", model.output_device))
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise SpecCliError(f"{gf.path.name}: missing tensors for {', '.join(missing[:5])}")
+    model.eval()
+    return LoadedModel(model, cfg, gf, (time.perf_counter() - t0) * 1000)
+
+
+def _load_embedding(model: Transformer, gf: GGUFFile, device: torch.device, dtype: torch.dtype) -> None:
+    info = gf.tensors["token_embd.weight"]
+    embd = model.tok_embd
+    embd.dtype = dtype
+    n_vocab = info.shape[0]
+    raw = torch.frombuffer(gf.data(info.name), dtype=torch.uint8).view(n_vocab, info.n_bytes // n_vocab)
+    embd.qtype = info.qtype
+    embd.raw = raw.to(device)  # rows are dequantized on lookup, on this device

@@ -1,0 +1,208 @@
+"""One decoder-only Transformer for llama / mistral / qwen2 / qwen3 / gemma3, driven by ModelConfig flags.
+
+The network only: it reads and writes a KV cache it is handed (owned by `context.Context`) and never decides
+which rows are decoded. Follows llama.cpp's graphs in src/models/{llama,qwen2,qwen3,gemma3}.cpp.
+Rows arrive grouped per sequence and padded: x is [G, T, D] for G sequences of at most T new rows each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spec_cli.config import ModelConfig
+
+
+@dataclass
+class ForwardPlan:
+    """Where the rows of one decode go; built once per decode by the context, shared by every layer."""
+
+    positions: torch.Tensor  # [G, T] int64; padded rows carry position 0
+    write_rows: torch.Tensor  # [n_valid] int64: flat indices (g * T + t) of the real rows
+    write_seq: torch.Tensor  # [n_valid] int64: cache sequence of each real row
+    write_pos: torch.Tensor  # [n_valid] int64: cache position of each real row
+    kv_seqs: slice | torch.Tensor  # selects the G cache sequences (a slice when contiguous: no copy)
+    n_kv: int  # keys [0, n_kv) are read
+    mask_full: torch.Tensor  # [G, 1, T, n_kv] bool, True = may attend
+    mask_swa: torch.Tensor | None  # same for sliding-window layers
+
+    def to(self, device: torch.device) -> "ForwardPlan":
+        move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        return ForwardPlan(*(move(getattr(self, f)) for f in self.__dataclass_fields__))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). Kept minimal so a quantized implementation can replace it module by module."""
+
+    def __init__(self, n_in: int, n_out: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_out, n_in), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(n_out), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def rope_tables(positions: torch.Tensor, dim: int, base: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    # positions [G, T] -> cos, sin [G, 1, T, dim/2] (broadcast over heads)
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
+    angles = (positions.to(torch.float32) / scale)[..., None] * inv_freq
+    return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_type: str, rope_dim: int) -> torch.Tensor:
+    # x [G, H, T, head_dim]; only the first rope_dim dims rotate
+    rot, rest = x[..., :rope_dim], x[..., rope_dim:]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if rope_type == "neox":
+        x1, x2 = rot.chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:  # "norm": adjacent pairs
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, swa: bool):
+        super().__init__()
+        self.cfg, self.swa = cfg, swa
+        d, hd = cfg.n_embd, cfg.head_dim
+        self.wq = Linear(d, cfg.n_head * hd, cfg.qkv_bias)
+        self.wk = Linear(d, cfg.n_head_kv * hd, cfg.qkv_bias)
+        self.wv = Linear(d, cfg.n_head_kv * hd, cfg.qkv_bias)
+        self.wo = Linear(cfg.n_head * hd, d)
+        self.q_norm = RMSNorm(hd, cfg.rms_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_eps) if cfg.qk_norm else None
+
+    def forward(self, x, plan: ForwardPlan, rope, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        # x [G, T, D]; k_cache/v_cache [n_seq, kv_heads, n_ctx_seq, head_dim]
+        cfg = self.cfg
+        G, T, _ = x.shape
+        q = self.wq(x).view(G, T, cfg.n_head, cfg.head_dim)
+        k = self.wk(x).view(G, T, cfg.n_head_kv, cfg.head_dim)
+        v = self.wv(x).view(G, T, cfg.n_head_kv, cfg.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q = apply_rope(q.transpose(1, 2), cos, sin, cfg.rope_type, cfg.rope_dim)  # [G, H, T, hd]
+        k = apply_rope(k.transpose(1, 2), cos, sin, cfg.rope_type, cfg.rope_dim)  # [G, Hkv, T, hd]
+        # write the real rows into the static cache by (sequence, position); padded rows are never written
+        k_rows = k.transpose(1, 2).reshape(G * T, cfg.n_head_kv, cfg.head_dim)[plan.write_rows]
+        v_rows = v.reshape(G * T, cfg.n_head_kv, cfg.head_dim)[plan.write_rows]
+        k_cache[plan.write_seq, :, plan.write_pos] = k_rows.to(k_cache.dtype)
+        v_cache[plan.write_seq, :, plan.write_pos] = v_rows.to(v_cache.dtype)
+        keys = k_cache[plan.kv_seqs, :, : plan.n_kv]  # [G, Hkv, n_kv, hd]
+        values = v_cache[plan.kv_seqs, :, : plan.n_kv]
+        mask = plan.mask_swa if self.swa else plan.mask_full
+        out = F.scaled_dot_product_attention(
+            q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=cfg.attn_scale,
+            enable_gqa=cfg.n_head != cfg.n_head_kv,
+        )  # [G, H, T, hd]
+        return self.wo(out.transpose(1, 2).reshape(G, T, cfg.n_head * cfg.head_dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w_gate = Linear(cfg.n_embd, cfg.n_ff)
+        self.w_up = Linear(cfg.n_embd, cfg.n_ff)
+        self.w_down = Linear(cfg.n_ff, cfg.n_embd)
+        self.act = F.silu if cfg.ffn_act == "silu" else lambda t: F.gelu(t, approximate="tanh")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(self.act(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.swa = bool(cfg.swa_layers[layer]) if cfg.swa_layers else False
+        self.attn_norm = RMSNorm(cfg.n_embd, cfg.rms_eps)
+        self.attn = Attention(cfg, self.swa)
+        self.ffn_norm = RMSNorm(cfg.n_embd, cfg.rms_eps)
+        self.ffn = FeedForward(cfg)
+        self.post_attn_norm = RMSNorm(cfg.n_embd, cfg.rms_eps) if cfg.post_norms else None
+        self.post_ffn_norm = RMSNorm(cfg.n_embd, cfg.rms_eps) if cfg.post_norms else None
+
+    def forward(self, x, plan, rope, k_cache, v_cache):
+        h = self.attn(self.attn_norm(x), plan, rope, k_cache, v_cache)
+        if self.post_attn_norm is not None:
+            h = self.post_attn_norm(h)
+        x = x + h
+        h = self.ffn(self.ffn_norm(x))
+        if self.post_ffn_norm is not None:
+            h = self.post_ffn_norm(h)
+        return x + h
+
+
+class Embedding(nn.Module):
+    """Token embedding. Holds either a float matrix or the raw GGML rows, dequantized on lookup (saves memory:
+    qwen2.5-coder-1.5b's 151936 x 1536 table is 0.9 GB in float32 but 0.13 GB as Q4_K)."""
+
+    def __init__(self, n_vocab: int, n_embd: int):
+        super().__init__()
+        self.n_vocab, self.n_embd = n_vocab, n_embd
+        self.weight: torch.Tensor | None = None  # [n_vocab, n_embd] float
+        self.raw: torch.Tensor | None = None  # [n_vocab, row_bytes] uint8
+        self.qtype = None
+        self.dtype = torch.float32
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None:
+            return F.embedding(tokens, self.weight)
+        from spec_cli.quants import dequantize
+
+        rows = self.raw[tokens.reshape(-1)]  # [N, row_bytes]
+        out = dequantize(rows.reshape(-1), self.qtype, (rows.shape[0], self.n_embd), self.dtype)
+        return out.view(*tokens.shape, self.n_embd)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embd = Embedding(cfg.n_vocab, cfg.n_embd)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer_main))
+        self.norm = RMSNorm(cfg.n_embd, cfg.rms_eps)
+        self.output = Linear(cfg.n_embd, cfg.n_vocab)
+        self.layer_devices: list[torch.device] = [torch.device("cpu")] * cfg.n_layer_main
+        self.output_device = torch.device("cpu")
+        self.dtype = torch.float32
+
+    def forward_hidden(self, tokens: torch.Tensor, plan: ForwardPlan, kv: list[tuple[torch.Tensor, torch.Tensor]]):
+        """tokens [G, T] -> pre-final-norm hidden states [G, T, D] (on the last layer's device)."""
+        cfg = self.cfg
+        x = self.tok_embd(tokens).to(self.dtype)
+        if cfg.embed_scale != 1.0:
+            x = x * cfg.embed_scale
+        plans: dict[torch.device, tuple] = {}
+        for layer, device, (k_cache, v_cache) in zip(self.layers, self.layer_devices, kv):
+            if device not in plans:
+                p = plan if plan.positions.device == device else plan.to(device)
+                ropes = {
+                    False: rope_tables(p.positions, cfg.rope_dim, cfg.rope_base, cfg.rope_scale),
+                    True: rope_tables(p.positions, cfg.rope_dim, cfg.rope_base_swa, cfg.rope_scale),
+                }
+                plans[device] = (p, ropes)
+            p, ropes = plans[device]
+            x = layer(x.to(device), p, ropes[layer.swa], k_cache, v_cache)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., D] (pre-norm) -> logits [..., V] in float32."""
+        h = hidden.to(self.output_device)
+        return self.output(self.norm(h)).float()

@@ -1,0 +1,72 @@
+"""The drafter interface (llama.cpp `common_speculative_impl`) and the parameters every drafter reads.
+
+Lifecycle per sequence, as in llama.cpp's common/speculative.h:
+  begin(seq, prompt)        once per request, after the prompt was prefilled
+  process(batch)            after EVERY target decode (prompt chunks and verify batches)
+  draft(params)             drafts for all sequences whose `drafting` flag is set, in one call
+  accept(seq, n, is_other)  how many draft tokens the target accepted (bonus token not counted);
+                            is_other=True when another drafter of the chain produced this step's draft
+Drafters keep no statistics: the chain wraps every call with counters and timers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from spec_cli.batch import Batch
+
+
+@dataclass
+class SpecParams:
+    """Speculation settings (llama.cpp's `common_params_speculative`, flag defaults per ARCHITECTURE.md)."""
+
+    types: list[str] = field(default_factory=list)  # canonical names, e.g. ["ngram-mod", "draft-simple"]
+    draft_max: int = 16
+    draft_min: int = 0
+    draft_p_min: float = 0.75
+    verify: str = "auto"  # auto | match | rejection
+    ngram_simple_size_n: int = 12
+    ngram_simple_size_m: int = 48
+    ngram_simple_min_hits: int = 1
+    ngram_map_k_size_n: int = 12
+    ngram_map_k_size_m: int = 48
+    ngram_map_k_min_hits: int = 1
+    ngram_map_k4v_size_n: int = 12
+    ngram_map_k4v_size_m: int = 48
+    ngram_map_k4v_min_hits: int = 1
+    ngram_mod_n_match: int = 24
+    ngram_mod_n_min: int = 48
+    ngram_mod_n_max: int = 64
+    lookup_cache_static: str | None = None
+    lookup_cache_dynamic: str | None = None
+
+
+@dataclass
+class DraftParams:
+    """One sequence's draft request for one step (llama.cpp `common_speculative_draft_params`)."""
+
+    seq: int
+    n_max: int  # per-call cap (context space, remaining budget); the chain truncates to it
+    pos0: int  # position of id_last = where the first verify row goes
+    id_last: int  # last token sampled by the target; NOT yet in the KV cache
+    prompt: list[int]  # every committed token of the sequence, excluding id_last (read-only)
+    drafting: bool = True  # the chain clears it once a drafter produced a draft
+    result: list[int] = field(default_factory=list)
+    probs: torch.Tensor | None = None  # [len(result), n_vocab] draft distributions, model drafters only
+    n_min: int | None = None  # per-request overrides of SpecParams.draft_min / draft_p_min (model drafters)
+    p_min: float | None = None
+
+
+class Drafter(Protocol):
+    name: str
+
+    def begin(self, seq: int, prompt: list[int]) -> None: ...
+
+    def process(self, batch: Batch) -> None: ...
+
+    def draft(self, params: list[DraftParams]) -> None: ...
+
+    def accept(self, seq: int, n_accepted: int, is_other: bool) -> None: ...

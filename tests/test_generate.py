@@ -1,0 +1,148 @@
+"""The shared step loop: speculation is lossless (greedy output == plain greedy output, token for token) for
+every drafter and chain, one and four sequences at once; statistics stay consistent; stops are per token."""
+
+from __future__ import annotations
+
+import pytest
+
+from spec_cli.engine import EngineOptions, build_engine
+from spec_cli.generate import SpecOverrides, generate
+from spec_cli.sampling import SamplingParams
+from spec_cli.speculative.base import SpecParams
+
+GREEDY = SamplingParams(temp=0.0)
+# a prompt that repeats itself, so n-gram drafters find matches; token ids of the tiny vocabulary
+PROMPTS = [
+    [40, 41, 42, 43, 44, 45, 46, 47, 40, 41, 42, 43, 44, 45, 46, 47, 40, 41, 42],
+    [60, 61, 62, 60, 61, 62, 60, 61, 62, 60, 61],
+    [70, 71, 72, 73, 74, 70, 71, 72, 73],
+    [80, 81, 82, 83, 80, 81, 82, 83, 80, 81],
+]
+N_PREDICT = 40
+# small n-gram sizes so the drafters fire on short tiny-model outputs
+SMALL = dict(ngram_simple_size_n=2, ngram_simple_size_m=8, ngram_map_k_size_n=2, ngram_map_k_size_m=8,
+             ngram_map_k4v_size_n=2, ngram_map_k4v_size_m=8, ngram_mod_n_match=3, ngram_mod_n_min=1, ngram_mod_n_max=8)
+
+CHAINS = ["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "draft-simple",
+          "ngram-mod,draft-simple", "ngram-simple,ngram-cache,draft-simple"]
+
+
+def make_engine(model, spec_types: str = "", draft=None, n_seq: int = 1, draft_max: int = 6, **spec):
+    params = SpecParams(types=[t for t in spec_types.split(",") if t], draft_max=draft_max, draft_p_min=0.0,
+                        **{**SMALL, **spec})
+    opts = EngineOptions(model=str(model), model_draft=str(draft) if draft else None, n_ctx=256 * n_seq,
+                         n_seq=n_seq, device="cpu", spec=params)
+    return build_engine(opts)
+
+
+def run(engine, prompt, n=N_PREDICT, **kw):
+    """Generate from a clean cache; returns (emitted tokens, sequence)."""
+    engine.reset()
+    emitted: list[int] = []
+    seq = generate(engine.generator(), prompt, kw.pop("sampling", GREEDY), n,
+                   on_emit=lambda e: emitted.extend(e.tokens), **kw)
+    return emitted, seq
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(tiny_model_path):
+    engine = make_engine(tiny_model_path)
+    return [run(engine, prompt)[0] for prompt in PROMPTS]
+
+
+@pytest.mark.parametrize("chain", CHAINS)
+def test_greedy_speculation_equals_plain_one_sequence(tiny_model_path, tiny_draft_path, plain_outputs, chain):
+    engine = make_engine(tiny_model_path, chain, draft=tiny_draft_path)
+    drafted = accepted = 0
+    for prompt, expected in zip(PROMPTS, plain_outputs):
+        out, seq = run(engine, prompt)
+        assert out == expected
+        drafted += seq.n_drafted
+        accepted += seq.n_accepted
+    assert drafted > 0 and accepted > 0, "the drafters never produced an accepted draft: the test proves nothing"
+
+
+@pytest.mark.parametrize("chain", ["ngram-mod", "draft-simple", "ngram-simple,ngram-cache,draft-simple"])
+def test_greedy_speculation_equals_plain_four_sequences(tiny_model_path, tiny_draft_path, plain_outputs, chain):
+    engine = make_engine(tiny_model_path, chain, draft=tiny_draft_path, n_seq=4)
+    gen = engine.generator()
+    outs: dict[int, list[int]] = {seq: [] for seq in range(len(PROMPTS))}
+    for seq, prompt in enumerate(PROMPTS):
+        outs[seq].extend(gen.start(seq, prompt, GREEDY, N_PREDICT).tokens)
+    seqs = dict(gen.active)
+    while True:
+        emitted = gen.step()
+        if not emitted:
+            break
+        assert len({e.seq for e in emitted}) == len(emitted)
+        for e in emitted:
+            outs[e.seq].extend(e.tokens)
+    assert [outs[seq] for seq in range(len(PROMPTS))] == plain_outputs
+    assert sum(s.n_accepted for s in seqs.values()) > 0
+
+
+def test_self_draft_accepts_everything(tiny_model_path, plain_outputs):
+    engine = make_engine(tiny_model_path, "draft-simple", draft=tiny_model_path)
+    out, seq = run(engine, PROMPTS[0])
+    assert out == plain_outputs[0]
+    assert seq.n_accepted == seq.n_drafted > 0
+    assert engine.chain.stats["draft-simple"].acc_rate_per_pos[0] == 1.0
+
+
+def test_statistics_are_consistent(tiny_model_path, tiny_draft_path):
+    engine = make_engine(tiny_model_path, "ngram-simple,ngram-mod,draft-simple", draft=tiny_draft_path)
+    seqs = [run(engine, p)[1] for p in PROMPTS]
+    for st in engine.chain.stats.values():
+        assert st.n_acc_tokens <= st.n_gen_tokens
+        assert sum(st.n_acc_tokens_per_pos) == st.n_acc_tokens
+        assert st.n_acc_drafts <= st.n_gen_drafts == st.n_call_accept
+        if st.n_call_accept:
+            assert st.mean_acc_len == pytest.approx(1 + st.n_acc_tokens / st.n_call_accept)
+        assert all(0.0 <= r <= 1.0 for r in st.acc_rate_per_pos)
+    assert sum(st.n_acc_tokens for st in engine.chain.stats.values()) == sum(s.n_accepted for s in seqs)
+    assert sum(st.n_gen_tokens for st in engine.chain.stats.values()) == sum(s.n_drafted for s in seqs)
+
+
+def test_per_sequence_overrides(tiny_model_path, plain_outputs):
+    engine = make_engine(tiny_model_path, "ngram-simple,ngram-mod")
+    out, seq = run(engine, PROMPTS[0], spec=SpecOverrides(enabled=False))
+    assert out == plain_outputs[0] and seq.n_drafted == 0
+    out, seq = run(engine, PROMPTS[0], spec=SpecOverrides(n_max=1))
+    assert out == plain_outputs[0] and seq.n_drafted > 0
+    assert all(len(st.n_gen_tokens_per_pos) <= 1 for st in engine.chain.stats.values())
+    before = engine.chain.stats["ngram-simple"].n_gen_drafts
+    out, seq = run(engine, PROMPTS[0], spec=SpecOverrides(types={"ngram-mod"}))
+    assert out == plain_outputs[0]
+    assert engine.chain.stats["ngram-simple"].n_gen_drafts == before
+
+
+@pytest.mark.parametrize("n", [1, 2, 7])
+def test_n_predict_is_exact_even_inside_an_accepted_run(tiny_model_path, plain_outputs, n):
+    engine = make_engine(tiny_model_path, "ngram-simple")
+    out, seq = run(engine, PROMPTS[0], n)
+    assert out == plain_outputs[0][:n]
+    assert seq.n_generated == n and seq.finish_reason == "length"
+
+
+def test_end_of_generation_token_stops_and_is_not_emitted(tiny_model_path, plain_outputs):
+    engine = make_engine(tiny_model_path, "ngram-simple")
+    stop = plain_outputs[0][5]
+    engine.tokenizer.eog_ids = frozenset({stop})
+    out, seq = run(engine, PROMPTS[0])
+    assert out == plain_outputs[0][: plain_outputs[0].index(stop)]
+    assert seq.finish_reason == "stop"
+
+
+def test_context_end_finishes_with_length(tiny_model_path):
+    engine = make_engine(tiny_model_path, "ngram-simple")
+    engine.ctx.n_ctx_seq = 30  # a small context
+    out, seq = run(engine, PROMPTS[0], -1)
+    assert seq.finish_reason == "length" and len(PROMPTS[0]) + len(out) == 31
+
+
+def test_prompt_longer_than_context_is_a_clear_error(tiny_model_path):
+    from spec_cli.errors import SpecCliError
+
+    engine = make_engine(tiny_model_path)
+    with pytest.raises(SpecCliError, match="prompt is too long"):
+        generate(engine.generator(), list(range(5, 300)), GREEDY, 4)
