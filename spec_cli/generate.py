@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from spec_cli.batch import Batch
 from spec_cli.context import Context
 from spec_cli.errors import SpecCliError
@@ -194,7 +196,9 @@ class Generator:
             if s.n_predict >= 0:
                 n_max = min(n_max, s.n_predict - s.n_generated - 1)
             if n_max > 0:
-                params[s.seq] = DraftParams(s.seq, n_max, s.n_past, s.id_last, s.tokens)
+                sample = self.verify != "match" and not s.sampler.params.greedy
+                params[s.seq] = DraftParams(s.seq, n_max, s.n_past, s.id_last, s.tokens, n_min=s.spec.n_min,
+                                            p_min=s.spec.p_min, sampling=s.sampler.params if sample else None)
         if params:
             enabled = None
             if any(s.spec.types is not None for s in seqs):
@@ -206,6 +210,9 @@ class Generator:
     def _verify(self, s: Sequence, logits, draft: list[int], draft_probs) -> list[int]:
         mode = choose_mode(self.verify, draft_probs is not None, s.sampler.params.greedy)
         if mode == "rejection" and draft:
+            n_vocab = logits.shape[-1]
+            if draft_probs is not None and draft_probs.shape[-1] != n_vocab:  # draft vocab may differ by <= 128 rows
+                draft_probs = torch.nn.functional.pad(draft_probs[:, :n_vocab], (0, max(0, n_vocab - draft_probs.shape[-1])))
             return verify_rejection(s.sampler, logits, draft, draft_probs)
         return verify_match(s.sampler, logits, draft)
 

@@ -252,7 +252,7 @@ class Sampler:
         """Token [] (long, on the logits' device) drawn from logits [V], without a host sync."""
         adjusted = self._adjusted(logits, self._penalties)
         if self.greedy:  # no draw: greedy leaves the generator alone
-            return adjusted.argmax()
+            return adjusted.argmax(dim=-1)
         probs, ids = self._candidates(adjusted)
         return ids.gather(-1, draw(probs, self.generator).unsqueeze(-1)).squeeze(-1)
 

@@ -45,3 +45,9 @@ def real_model_path():
     from spec_cli.models import resolve_model
 
     return lambda name: resolve_model(name)
+
+
+@pytest.fixture(scope="session")
+def tiny_close_draft_path(tmp_path_factory) -> Path:
+    """A draft whose distributions overlap the target's a lot (rejection sampling then matters)."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny-close.gguf", arch="llama", seed=0, perturb=0.15)

@@ -9,7 +9,7 @@ from spec_cli.errors import UsageError
 from spec_cli.sampling import Sampler, SamplingParams, apply_penalties, draw
 
 # a chain with every filter off: probs == softmax(logits / temp)
-PLAIN = dict(top_k=0, top_p=1.0, min_p=0.0, temp=1.0)
+PLAIN = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "temp": 1.0}
 
 
 def kept(sampler: Sampler, logits: list[float]) -> set[int]:
@@ -179,8 +179,8 @@ def test_draws_follow_the_distribution():
 
 
 @pytest.mark.parametrize("bad", [
-    dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1), dict(min_p=-0.1), dict(min_p=2.0), dict(repeat_penalty=0.0),
-    dict(repeat_last_n=-2), dict(seed=-2), dict(temp=float("nan")), dict(presence_penalty=float("inf")),
+    {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -1}, {"min_p": -0.1}, {"min_p": 2.0}, {"repeat_penalty": 0.0},
+    {"repeat_last_n": -2}, {"seed": -2}, {"temp": float("nan")}, {"presence_penalty": float("inf")},
 ])
 def test_bad_values_are_usage_errors(bad):
     with pytest.raises(UsageError):

@@ -2,38 +2,25 @@
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from functools import lru_cache
-from pathlib import Path
 
 import pytest
 
 from spec_cli.errors import SpecCliError
 from spec_cli.gguf_file import GGUFFile
 from spec_cli.tokenizer import Tokenizer, pre_patterns, pre_tokenize
+from tests.real_models import real_model, reference
 from tests.tiny_vocab import tiny_bpe_metadata
 
-REFERENCE = Path("/work/shared/reference")
 MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
 UNICODE_TEXT = "héllo wörld — “quotes” 日本語のテキスト 한국어 🚀🔥👍🏽 Ω≈ç√∫ 𓀀ꙮ𐍈"  # the last three are byte pieces in every vocab
 
 
-def _real(name: str) -> Path:
-    return Path("/root/.cache/spec-cli/dev") / f"{name}.gguf"
-
-
 @lru_cache(maxsize=None)
 def _real_tokenizer(name: str) -> Tokenizer:
-    path = _real(name)
-    if not path.exists():
-        pytest.skip(f"{path} not present")
-    return Tokenizer.from_metadata(GGUFFile(path).metadata)
-
-
-def _reference(name: str) -> dict:
-    return json.loads((REFERENCE / f"{name}.json").read_text())
+    return Tokenizer.from_metadata(GGUFFile(real_model(name)).metadata)
 
 
 def _tiny(**changes) -> Tokenizer:
@@ -57,7 +44,7 @@ def _id(tok: Tokenizer, text: str) -> int:
 @pytest.mark.parametrize("name", MODELS)
 def test_tokenize_matches_llamacpp(name):
     tok = _real_tokenizer(name)
-    for entry in _reference(name)["tokenize"]:
+    for entry in reference(name)["tokenize"]:
         ids = tok.encode(entry["text"], add_special=entry["add_special"], parse_special=entry["parse_special"])
         assert ids == entry["ids"], entry["text"]
 
@@ -66,7 +53,7 @@ def test_tokenize_matches_llamacpp(name):
 @pytest.mark.parametrize("name", MODELS)
 def test_prompt_ids_match_llamacpp(name):
     tok = _real_tokenizer(name)
-    for entry in _reference(name)["greedy"]:
+    for entry in reference(name)["greedy"]:
         assert tok.encode(entry["prompt_text"], True, entry["parse_special"]) == entry["prompt_ids"], entry["id"]
 
 
@@ -74,7 +61,7 @@ def test_prompt_ids_match_llamacpp(name):
 @pytest.mark.parametrize("name", MODELS)
 def test_chat_template_renders_llamacpp_prompt(name):
     tok = _real_tokenizer(name)
-    chats = [e for e in _reference(name)["greedy"] if "messages" in e]
+    chats = [e for e in reference(name)["greedy"] if "messages" in e]
     if tok.chat_template is None:
         assert not chats
         with pytest.raises(SpecCliError, match="no chat template"):
@@ -87,7 +74,7 @@ def test_chat_template_renders_llamacpp_prompt(name):
 @pytest.mark.parametrize("name", MODELS)
 def test_round_trip_reference_texts(name):
     tok = _real_tokenizer(name)
-    texts = [e["text"] for e in _reference(name)["tokenize"]] + [e["prompt_text"] for e in _reference(name)["greedy"]]
+    texts = [e["text"] for e in reference(name)["tokenize"]] + [e["prompt_text"] for e in reference(name)["greedy"]]
     for text in texts + [UNICODE_TEXT]:
         assert tok.decode(tok.encode(text, add_special=False)) == text
         # with BOS: control tokens render only when asked
@@ -124,7 +111,7 @@ def test_end_of_generation_tokens(name, eog_texts):
 @pytest.mark.real_model
 @pytest.mark.parametrize("name", MODELS)
 def test_builds_fast(name):
-    meta = GGUFFile(_real(name)).metadata if _real(name).exists() else pytest.skip("model not present")
+    meta = GGUFFile(real_model(name)).metadata
     start = time.perf_counter()
     Tokenizer.from_metadata(meta)
     assert time.perf_counter() - start < 3.0  # measured ~0.05-0.2 s; a loose bound against regressions

@@ -1,7 +1,7 @@
 """Verification keeps the target's distribution exactly (both modes), reduces to greedy matching at temp 0, and feeds
 the sampler exactly the emitted tokens."""
 
-from functools import lru_cache
+from functools import cache
 
 import pytest
 import torch
@@ -12,6 +12,16 @@ from spec_cli.speculative.verify import choose_mode, verify_match, verify_reject
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 V = 8
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors gain nothing from threads, and on a busy machine torch's CPU softmax over a few short rows can
+    stall for milliseconds waiting for its second thread, which turns the 10000-trial tests into minutes."""
+    n_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n_threads)
 
 
 def greedy_rows(*argmaxes: int, n_vocab: int = 16) -> torch.Tensor:
@@ -142,7 +152,7 @@ def target_probs() -> tuple[torch.Tensor, torch.Tensor]:
     return sampler.probs(L0), torch.stack([sampler.probs(row) for row in L1])
 
 
-@lru_cache(maxsize=None)
+@cache
 def run_trials(mode: str, drafter: str) -> tuple[torch.Tensor, float]:
     """(first two emitted tokens [N, 2], fraction of trials whose first draft token was accepted)."""
     sampler = Sampler(TARGET, V)

@@ -20,10 +20,14 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from spec_cli.cli import models, run, speculative
+    from spec_cli.cli import lookup, models, run, speculative
 
     app.command("run")(run.run)
     app.command("speculative-simple")(speculative.speculative_simple)
+    app.command("lookup")(lookup.lookup)
+    app.command("lookup-create")(lookup.lookup_create)
+    app.command("lookup-merge")(lookup.lookup_merge)
+    app.command("lookup-stats")(lookup.lookup_stats)
     app.add_typer(models.app, name="models")
 
 

@@ -48,6 +48,11 @@ class TextStream:
         self.out = out or sys.stdout
         self.text: list[str] = []
 
+    def echo(self, prompt: str) -> None:
+        """llama-cli prints the raw prompt before the continuation."""
+        self.out.write(prompt)
+        self.out.flush()
+
     def __call__(self, e: Emitted) -> None:
         for tok, from_draft in zip(e.tokens, e.from_draft):
             piece = self.decoder.push(tok)

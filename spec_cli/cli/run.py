@@ -28,6 +28,8 @@ def run(opts: dict) -> None:
         return
     tokens = prompt_tokens(engine, text, opts["conversation"], opts["chat_template"])
     sink = TextCollector(engine) if opts["json_output"] else TextStream(engine)
+    if not opts["conversation"]:
+        sink.echo(text)
     result = run_once(engine, tokens, sampling, opts["n_predict"], sink)
     summary = result.to_dict(engine)
     if opts["json_output"]:

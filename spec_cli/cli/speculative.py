@@ -32,6 +32,8 @@ def speculative_simple(
     engine = build_engine(engine_options(opts))
     tokens = prompt_tokens(engine, text, opts["conversation"], opts["chat_template"])
     sink = TextCollector(engine) if opts["json_output"] else TextStream(engine, color=color)
+    if not opts["conversation"]:
+        sink.echo(text)
     result = run_once(engine, tokens, sampling, opts["n_predict"], sink)
     summary = result.to_dict(engine)
     if opts["json_output"]:

@@ -12,7 +12,7 @@ Drafters keep no statistics: the chain wraps every call with counters and timers
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -58,6 +58,8 @@ class DraftParams:
     probs: torch.Tensor | None = None  # [len(result), n_vocab] draft distributions, model drafters only
     n_min: int | None = None  # per-request overrides of SpecParams.draft_min / draft_p_min (model drafters)
     p_min: float | None = None
+    sampling: Any = None  # the target's SamplingParams when verification is by rejection: model drafters then
+    #                       sample from their own filtered distribution and return it in `probs` (else greedy)
 
 
 class Drafter(Protocol):

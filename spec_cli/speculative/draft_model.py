@@ -4,6 +4,8 @@ The draft context mirrors the target's KV position for position. `process` repla
 rows the draft cache already holds with the same token (accepted draft tokens were decoded while drafting),
 so a verify step usually costs the draft nothing. `draft` decodes id_last for every drafting sequence in one
 batch, then one batch per draft position, taking the top-1 of a top-k 10 softmax and stopping below p_min.
+When verification is by rejection (`DraftParams.sampling` set), the draft instead samples each token from its own
+distribution under the target's sampler settings and returns those distributions (q) for exact rejection sampling.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 from spec_cli.batch import Batch
 from spec_cli.context import Context
 from spec_cli.errors import SpecCliError
+from spec_cli.sampling import draw, filter_and_softmax
 from spec_cli.speculative.base import DraftParams, SpecParams
 
 DRAFT_TOP_K = 10  # llama.cpp LLAMA_DRAFT_TOP_K
@@ -50,15 +53,16 @@ class DraftModelDrafter:
         self.ctx = ctx
         self.params = params
         self.cached: list[list[int]] = [[] for _ in range(n_seq)]  # tokens in the draft KV, by position
+        self.rng: list[torch.Generator | None] = [None] * n_seq  # per request, for sampled drafts
 
     def begin(self, seq: int, prompt: list[int]) -> None:
-        pass  # the prompt arrived through process()
+        self.rng[seq] = None  # the prompt itself arrived through process()
 
     def process(self, batch: Batch) -> None:
         mirror = Batch()
         for seq in dict.fromkeys(batch.seq_ids):
             rows = batch.rows_of(seq)
-            cached = self.cached[seq]
+            cached = self._synced(seq)
             skip = 0
             for i in rows:  # rows already in the draft cache with the same token need no decode
                 pos = batch.pos[i]
@@ -81,7 +85,7 @@ class DraftModelDrafter:
             history = p.prompt + [p.id_last]
             if max(history[-1:]) >= self.ctx.config.n_vocab:
                 continue  # a token outside a smaller draft vocabulary: no draft for this sequence
-            cached = self.cached[p.seq]
+            cached = self._synced(p.seq)
             start = 0
             while start < min(len(cached), p.pos0) and cached[start] == history[start]:
                 start += 1
@@ -92,6 +96,7 @@ class DraftModelDrafter:
         active = {p.seq: p for p in params if p.seq in last_row}
         logits = self._decode(batch) if len(batch) else None
         rows = {seq: sum(batch.logits[: last_row[seq] + 1]) - 1 for seq in active}
+        q_rows: dict[int, list[torch.Tensor]] = {seq: [] for seq in active}
         while active and logits is not None:
             top = torch.topk(logits, min(DRAFT_TOP_K, logits.shape[-1]), dim=-1)
             p_top = torch.softmax(top.values, dim=-1)[:, 0].tolist()  # top-1 probability under the top-k softmax
@@ -103,6 +108,10 @@ class DraftModelDrafter:
                 if p_top[row] < p_min:
                     del active[seq]
                     continue
+                if p.sampling is not None:
+                    token, q = self._sample(seq, logits[row], p.sampling)
+                    q_rows[seq].append(q)
+                    ids[row] = token
                 p.result.append(ids[row])
                 if len(p.result) >= min(p.n_max, self.params.draft_max):
                     del active[seq]
@@ -116,9 +125,29 @@ class DraftModelDrafter:
             n_min = p.n_min if p.n_min is not None else self.params.draft_min
             if len(p.result) < n_min:
                 p.result.clear()
+            elif p.sampling is not None and p.result:
+                p.probs = torch.stack(q_rows[p.seq])  # [len(result), n_vocab_draft]
+
+    def _sample(self, seq: int, logits: torch.Tensor, sampling) -> tuple[int, torch.Tensor]:
+        """One draft token drawn from q = the draft's distribution under the target's sampler chain."""
+        if self.rng[seq] is None:
+            seed = sampling.seed + 1 if sampling.seed >= 0 else int(torch.randint(0, 2**62, ()))
+            self.rng[seq] = torch.Generator(device=logits.device).manual_seed(seed)
+        probs, ids = filter_and_softmax(logits.float(), sampling)
+        q = torch.zeros_like(logits, dtype=torch.float32)
+        if ids is None:
+            q = probs
+        else:
+            q.scatter_(0, ids, probs)
+        return int(draw(q, self.rng[seq])), q
 
     def accept(self, seq: int, n_accepted: int, is_other: bool) -> None:
         pass  # the caller's next batch (process / draft) trims the rejected tail
+
+    def _synced(self, seq: int) -> list[int]:
+        """Cached tokens of a sequence, cut to what the draft context still holds (it may have been cleared)."""
+        del self.cached[seq][self.ctx.lengths[seq]:]
+        return self.cached[seq]
 
     def _trim(self, seq: int, pos: int) -> None:
         self.ctx.seq_rm(seq, pos)

@@ -218,6 +218,8 @@ class NgramCacheDrafter:
         self.dynamic: NgramCache = load_cache(self.dynamic_path) if exists else {}
         self.contexts: list[NgramCache] = [{} for _ in range(n_seq)]
         self.n_indexed = [0] * n_seq  # tokens of the history already counted in the context cache
+        # llama-lookup drafts --draft-max tokens; the spec type keeps llama.cpp's fixed 8 (the command sets this).
+        self.n_draft = SPEC_N_DRAFT
 
     def begin(self, seq: int, prompt: list[int]) -> None:
         # A fresh context cache per request: llama.cpp keeps the previous request's (#27852).
@@ -243,7 +245,7 @@ class NgramCacheDrafter:
         tail = p.prompt[max(self.n_indexed[p.seq] - NGRAM_MAX, 0) :] + [p.id_last]
         ngram_cache_update(context, NGRAM_MIN, NGRAM_MAX, tail, size - self.n_indexed[p.seq])
         self.n_indexed[p.seq] = size
-        draft = ngram_cache_draft(tail, SPEC_N_DRAFT, NGRAM_MIN, NGRAM_MAX, context, self.dynamic, self.static)
+        draft = ngram_cache_draft(tail, self.n_draft, NGRAM_MIN, NGRAM_MAX, context, self.dynamic, self.static)
         return draft[: max(p.n_max, 0)]
 
     def accept(self, seq: int, n_accepted: int, is_other: bool) -> None:

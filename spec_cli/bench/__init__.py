@@ -1,0 +1,130 @@
+"""`spec-cli bench`: llama-bench's grid plus speculative sweeps, the verify-cost curve and a baseline gate.
+
+This module holds the one result record every part shares (runner writes it, printers / compare / plot read it as
+plain dicts, so a json file from an earlier run reads back the same). Field order follows llama-bench's `test`
+fields: build and hardware, where it ran, model, engine parameters, test shape, then the speculative and
+verify-cost fields for those kinds, then results.
+
+Layout: params (lists, ranges, instances), runner (timing), verify_cost (the k-row forward curve), prompts
+(built-in prompt sets), printers (md/csv/json/jsonl/sql), compare (baseline gate), plot (matplotlib).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+
+BUILD_FIELDS = ("build_commit", "build_version", "torch_version", "cpu_info", "gpu_info", "backends")
+RUN_FIELDS = ("device", "dtype")
+MODEL_FIELDS = ("model_filename", "model_type", "model_size", "model_n_params")
+PARAM_FIELDS = ("n_batch", "n_ubatch", "n_threads", "n_gpu_layers", "flash_attn", "devices")
+SHAPE_FIELDS = ("test", "n_prompt", "n_gen", "n_depth")
+SPEC_FIELDS = ("prompt_set", "n_prompts", "temp", "spec_type", "model_draft", "draft_max", "draft_min", "draft_p_min",
+               "spec_verify", "warm", "n_drafted", "n_accepted", "n_steps", "acceptance", "mean_acc_len",
+               "tokens_per_step", "acc_per_pos", "prompt_ns", "draft_ms", "verify_ms", "speedup")
+VERIFY_FIELDS = ("verify_k", "cost_ratio", "break_even_len", "break_even_acc")
+RESULT_FIELDS = ("test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts")
+
+# fields that identify a test across runs (compare matches rows on these)
+KEY_FIELDS = ("model_filename", "backends", "dtype") + PARAM_FIELDS[:-1] + SHAPE_FIELDS + (
+    "prompt_set", "temp", "spec_type", "model_draft", "draft_max", "draft_min", "draft_p_min", "spec_verify", "warm",
+    "verify_k")
+
+INT_FIELDS = {"model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads", "n_gpu_layers", "flash_attn",
+              "n_prompt", "n_gen", "n_depth", "n_prompts", "draft_max", "draft_min", "n_drafted", "n_accepted",
+              "n_steps", "prompt_ns", "verify_k", "avg_ns", "stddev_ns"}
+FLOAT_FIELDS = {"temp", "draft_p_min", "acceptance", "mean_acc_len", "tokens_per_step", "draft_ms", "verify_ms",
+                "speedup", "cost_ratio", "break_even_len", "break_even_acc", "avg_ts", "stddev_ts"}
+BOOL_FIELDS = {"warm"}
+LIST_FIELDS = {"acc_per_pos"}
+
+
+@dataclass
+class Result:
+    """One row: a test of one instance with its samples (llama-bench's `test`)."""
+
+    # build and hardware
+    build_commit: str
+    build_version: str
+    torch_version: str
+    cpu_info: str
+    gpu_info: str
+    backends: str  # CPU | CUDA
+    # where it ran
+    device: str  # resolved: cpu, cuda:0
+    dtype: str  # resolved: f32, bf16, f16
+    # model
+    model_filename: str
+    model_type: str  # "qwen2 1.5B Q4_K_M"
+    model_size: int  # bytes of tensor data in the file
+    model_n_params: int
+    # engine parameters
+    n_batch: int
+    n_ubatch: int
+    n_threads: int
+    n_gpu_layers: int
+    flash_attn: int  # -1 auto, 0 off, 1 on: recorded only (torch SDPA picks its kernel)
+    devices: str  # as requested with -dev
+    # test shape
+    test: str  # pp | tg | pg | spec | verify
+    n_prompt: int
+    n_gen: int
+    n_depth: int
+    test_time: str  # ISO-8601 UTC, when the test started
+    samples_ns: list[int] = field(default_factory=list)
+    samples_ts: list[float] = field(default_factory=list)  # tokens (or verify rows) per second, per sample
+    spec: dict | None = None  # SPEC_FIELDS for kind spec
+    verify: dict | None = None  # VERIFY_FIELDS for kind verify
+
+    @property
+    def avg_ns(self) -> int:
+        return int(statistics.fmean(self.samples_ns)) if self.samples_ns else 0
+
+    @property
+    def stddev_ns(self) -> int:
+        return int(statistics.stdev(self.samples_ns)) if len(self.samples_ns) > 1 else 0
+
+    @property
+    def avg_ts(self) -> float:
+        return statistics.fmean(self.samples_ts) if self.samples_ts else 0.0
+
+    @property
+    def stddev_ts(self) -> float:
+        return statistics.stdev(self.samples_ts) if len(self.samples_ts) > 1 else 0.0
+
+    def to_dict(self) -> dict:
+        """Fields in print order; the kind's extra fields only on rows of that kind."""
+        d = asdict(self)
+        spec, verify = d.pop("spec"), d.pop("verify")
+        samples_ns, samples_ts = d.pop("samples_ns"), d.pop("samples_ts")
+        head = BUILD_FIELDS + RUN_FIELDS + MODEL_FIELDS + PARAM_FIELDS + SHAPE_FIELDS
+        out = {k: d[k] for k in head}
+        out.update(spec or {})
+        out.update(verify or {})
+        out.update(test_time=self.test_time, avg_ns=self.avg_ns, stddev_ns=self.stddev_ns, avg_ts=self.avg_ts,
+                   stddev_ts=self.stddev_ts, samples_ns=samples_ns, samples_ts=samples_ts)
+        return out
+
+
+def columns(rows: list[dict]) -> list[str]:
+    """The union of fields over rows, in print order (csv and sql need one column set; samples excluded)."""
+    has_spec = any("spec_type" in r for r in rows)
+    has_verify = any("verify_k" in r for r in rows)
+    return list(BUILD_FIELDS + RUN_FIELDS + MODEL_FIELDS + PARAM_FIELDS + SHAPE_FIELDS
+                + (SPEC_FIELDS if has_spec else ()) + (VERIFY_FIELDS if has_verify else ()) + RESULT_FIELDS)
+
+
+def test_name(row: dict) -> str:
+    """llama-bench's test column: pp512, tg128, pp512+tg128, ` @ d<depth>`; spec rows by prompt set, verify by k."""
+    kind, n_prompt, n_gen, depth = row["test"], row["n_prompt"], row["n_gen"], row["n_depth"]
+    if kind == "spec":
+        base = f"{row['prompt_set']} n{n_gen}"
+    elif kind == "verify":
+        base = f"k{row['verify_k']}"
+    elif n_gen == 0:
+        base = f"pp{n_prompt}"
+    elif n_prompt == 0:
+        base = f"tg{n_gen}"
+    else:
+        base = f"pp{n_prompt}+tg{n_gen}"
+    return base + (f" @ d{depth}" if depth > 0 else "")

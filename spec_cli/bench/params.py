@@ -1,0 +1,304 @@
+"""Bench parameters as lists and their Cartesian product (llama-bench's `cmd_params` / `get_cmd_params_instances`).
+
+Every parameter is a list. Numeric flags accept llama-bench's value syntax: comma lists (`1,2,4`), the flag
+repeated, and integer ranges `first-last` (step 1), `first-last+step` and `first-last*mult`; `last` is included only
+when reached exactly. Instances follow llama-bench's nested order, model outermost so a model is loaded once, then
+placement (dtype, layers, devices), batch sizes, flash attention, threads; depth is the innermost engine loop and
+inside it come the tests: pp per n_prompt, tg per n_gen, pg per pair, then the verify-cost test.
+
+Speculative tests (prompt sets through the shared generator) run once per engine instance, not per depth: for each
+prompt set, temperature and generation length, first the plain run, then every speculative case in the order
+spec type, draft model, draft max, draft min, draft p-min, verify mode. In `--spec-type` a comma separates sweep
+values and `+` joins drafters into one chain (`ngram-mod+draft-simple`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass, field
+
+from spec_cli.errors import UsageError
+from spec_cli.speculative.chain import parse_spec_types
+
+_RANGE = re.compile(r"^(\d+)(?:-(\d+)(?:([+*])(\d+))?)?$")
+FLASH_ATTN = {"auto": -1, "-1": -1, "off": 0, "0": 0, "false": 0, "on": 1, "1": 1, "true": 1}
+OUTPUT_FORMATS = ("md", "csv", "json", "jsonl", "sql", "none")
+VERIFY_MODES = ("auto", "match", "rejection")
+
+# engine parameters, in llama-bench's nesting order (outermost first)
+ENGINE_FIELDS = ("model", "dtype", "n_gpu_layers", "devices", "n_batch", "n_ubatch", "flash_attn", "n_threads")
+# speculative case parameters, outermost first
+SPEC_FIELDS = ("spec_type", "model_draft", "draft_max", "draft_min", "draft_p_min", "spec_verify")
+
+
+def parse_values(text: str) -> list[int]:
+    """llama-bench's integer list syntax: `512`, `1,2,4`, `1-32+4` (1,5,...,29), `1-64*2` (1,2,...,64)."""
+    out: list[int] = []
+    for item in text.split(","):
+        m = _RANGE.match(item.strip())
+        if not m:
+            raise UsageError(f"invalid value '{item.strip()}' in '{text}' (use N, N-M, N-M+STEP or N-M*MULT)")
+        first = int(m.group(1))
+        last = int(m.group(2)) if m.group(2) is not None else first
+        op, step = m.group(3) or "+", int(m.group(4)) if m.group(4) is not None else 1
+        if last < first:
+            raise UsageError(f"invalid range '{item.strip()}': it must increase")
+        i = first
+        while i <= last:
+            out.append(i)
+            nxt = i + step if op == "+" else i * step
+            if nxt <= i:  # +0, *1 or 0*N would never end
+                raise UsageError(f"invalid range '{item.strip()}': the step must make it increase")
+            i = nxt
+    return out
+
+
+def parse_int_list(values: list[str] | None, default: list[int], flag: str, allow_negative: bool = False) -> list[int]:
+    """Repeated flags and comma lists of ints; negative single values (e.g. `-ngl -1`) when allowed."""
+    if not values:
+        return list(default)
+    out: list[int] = []
+    for value in values:
+        for item in value.split(","):
+            item = item.strip()
+            if allow_negative and re.fullmatch(r"-\d+", item):
+                out.append(int(item))
+            else:
+                try:
+                    out.extend(parse_values(item))
+                except UsageError as e:
+                    raise UsageError(f"{flag}: {e}") from None
+    return out
+
+
+def parse_float_list(values: list[str] | None, default: list[float], flag: str) -> list[float]:
+    if not values:
+        return list(default)
+    try:
+        return [float(item) for value in values for item in value.split(",") if item.strip()]
+    except ValueError:
+        raise UsageError(f"{flag}: expected comma-separated numbers, got {', '.join(values)}") from None
+
+
+def parse_str_list(values: list[str] | None, default: list[str]) -> list[str]:
+    if not values:
+        return list(default)
+    return [item.strip() for value in values for item in value.split(",") if item.strip()]
+
+
+def parse_pairs(values: list[str] | None) -> list[tuple[int, int]]:
+    """`-pg PP,TG`, repeatable."""
+    out = []
+    for value in values or []:
+        parts = value.split(",")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise UsageError(f"-pg: expected PP,TG, got '{value}'")
+        out.append((int(parts[0]), int(parts[1])))
+    return out
+
+
+def parse_flash_attn(values: list[str] | None) -> list[int]:
+    out = []
+    for item in parse_str_list(values, ["auto"]):
+        if item.lower() not in FLASH_ATTN:
+            raise UsageError(f"-fa: expected on, off, auto, 1, 0 or -1, got '{item}'")
+        out.append(FLASH_ATTN[item.lower()])
+    return out
+
+
+def parse_spec_chains(values: list[str] | None) -> list[str]:
+    """Sweep values of --spec-type: comma = another value, `+` = one chain; canonical names joined by '+'.
+    `none` is the plain run, which every speculative sweep includes anyway, so it is dropped here."""
+    chains: list[str] = []
+    for item in parse_str_list(values, []):
+        names = parse_spec_types(item.replace("+", ","))
+        chain = "+".join(names)
+        if chain and chain not in chains:
+            chains.append(chain)
+    return chains
+
+
+@dataclass
+class BenchParams:
+    """Every bench parameter; list fields are swept (Cartesian product), scalars apply to the whole run."""
+
+    model: list[str] = field(default_factory=lambda: [""])  # "" = the default model
+    n_prompt: list[int] = field(default_factory=lambda: [512])
+    n_gen: list[int] = field(default_factory=lambda: [128])
+    n_pg: list[tuple[int, int]] = field(default_factory=list)
+    n_depth: list[int] = field(default_factory=lambda: [0])
+    n_batch: list[int] = field(default_factory=lambda: [2048])
+    n_ubatch: list[int] = field(default_factory=lambda: [512])
+    n_threads: list[int] = field(default_factory=lambda: [0])  # 0 = torch's default, resolved by the runner
+    n_gpu_layers: list[int] = field(default_factory=lambda: [-1])
+    devices: list[str] = field(default_factory=lambda: ["auto"])
+    flash_attn: list[int] = field(default_factory=lambda: [-1])  # recorded only: torch SDPA picks its kernel
+    dtype: list[str] = field(default_factory=lambda: ["auto"])
+    # speculative sweep
+    spec_type: list[str] = field(default_factory=list)  # chains, canonical names joined by '+'
+    model_draft: list[str] = field(default_factory=list)
+    draft_max: list[int] = field(default_factory=lambda: [16])
+    draft_min: list[int] = field(default_factory=lambda: [0])
+    draft_p_min: list[float] = field(default_factory=lambda: [0.75])
+    spec_verify: list[str] = field(default_factory=lambda: ["auto"])
+    temp: list[float] = field(default_factory=lambda: [0.0])  # greedy by default: reproducible, lossless speculation
+    prompt_sets: list[str] = field(default_factory=list)  # built-in set names or .jsonl paths
+    # which test kinds run
+    random_tests: bool = True  # pp / tg / pg on random tokens
+    verify_cost: int = 0  # K: time forwards of 1..K rows (0 = off)
+    # run settings
+    repetitions: int = 5
+    warmup: bool = True
+    warm: bool = False  # keep n-gram state and caches across repetitions of a speculative test
+    delay: int = 0
+
+    @property
+    def speculative(self) -> bool:
+        return bool(self.spec_type or self.prompt_sets)
+
+    def validate(self) -> None:
+        for name in ("n_prompt", "n_gen", "n_depth", "draft_max", "draft_min"):
+            if any(v < 0 for v in getattr(self, name)):
+                raise UsageError(f"{name} values must be >= 0")
+        for name in ("n_batch", "n_ubatch"):
+            if any(v < 1 for v in getattr(self, name)):
+                raise UsageError(f"{name} values must be >= 1")
+        if any(v < 0 for v in self.n_threads):
+            raise UsageError("-t values must be >= 1")
+        if any(not 0.0 <= p <= 1.0 for p in self.draft_p_min):
+            raise UsageError("--draft-p-min values must be in [0, 1]")
+        if any(v not in VERIFY_MODES for v in self.spec_verify):
+            raise UsageError(f"--spec-verify values must be one of {', '.join(VERIFY_MODES)}")
+        if self.repetitions < 1:
+            raise UsageError("-r must be at least 1")
+        if self.verify_cost < 0:
+            raise UsageError("--verify-cost must be >= 0")
+        if any("draft-simple" in c.split("+") for c in self.spec_type) and not self.model_draft:
+            raise UsageError("--spec-type draft-simple needs a draft model (-md FILE|NAME)")
+        if self.speculative and not any(self.n_gen):
+            raise UsageError("speculative tests need -n > 0 (tokens generated per prompt)")
+
+
+@dataclass(frozen=True)
+class Test:
+    """One test of an instance: kind pp/tg/pg (random tokens), verify (k = 1..K rows), spec (prompt set)."""
+
+    kind: str
+    n_prompt: int = 0
+    n_gen: int = 0
+    n_depth: int = 0
+    verify_k: int = 0  # kind "verify": the largest k
+    prompt_set: str = ""
+    temp: float = 0.0
+    spec_type: str = "none"  # "none" = the plain run of the prompt set
+    model_draft: str = ""
+    draft_max: int = 0
+    draft_min: int = 0
+    draft_p_min: float = 0.0
+    spec_verify: str = "auto"
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One value of every engine parameter plus the test to run with them."""
+
+    model: str
+    dtype: str
+    n_gpu_layers: int
+    devices: str
+    n_batch: int
+    n_ubatch: int
+    flash_attn: int
+    n_threads: int
+    test: Test
+
+    def engine_key(self) -> tuple:
+        """What a loaded model depends on: tests sharing it reuse the model (llama-bench `equal_mparams`)."""
+        return self.model, self.dtype, self.n_gpu_layers, self.devices
+
+
+def instances(p: BenchParams) -> list[Instance]:
+    p.validate()
+    out = []
+    for engine in itertools.product(*(getattr(p, f) for f in ENGINE_FIELDS)):
+        tests = []
+        for depth in p.n_depth:
+            tests += _random_tests(p, depth) if p.random_tests else []
+            if p.verify_cost:
+                tests.append(Test("verify", n_depth=depth, verify_k=p.verify_cost))
+        if p.speculative:
+            tests += _spec_tests(p)
+        out += [Instance(*engine, test=t) for t in tests]
+    return out
+
+
+def _random_tests(p: BenchParams, depth: int) -> list[Test]:
+    tests = [Test("pp", n_prompt=n, n_depth=depth) for n in p.n_prompt if n > 0]
+    tests += [Test("tg", n_gen=n, n_depth=depth) for n in p.n_gen if n > 0]
+    tests += [Test("pg", n_prompt=pp, n_gen=tg, n_depth=depth) for pp, tg in p.n_pg if pp or tg]
+    return tests
+
+
+def _spec_tests(p: BenchParams) -> list[Test]:
+    tests: list[Test] = []
+    for prompt_set, temp, n_gen in itertools.product(p.prompt_sets, p.temp, p.n_gen):
+        if n_gen <= 0:
+            continue
+        tests.append(Test("spec", n_gen=n_gen, prompt_set=prompt_set, temp=temp))
+        seen = set()
+        cases = itertools.product(*(getattr(p, f) or [""] for f in SPEC_FIELDS)) if p.spec_type else []
+        for case in cases:
+            values = dict(zip(SPEC_FIELDS, case))
+            if "draft-simple" not in values["spec_type"].split("+"):
+                values["model_draft"] = ""  # the draft model only matters to draft-simple: no duplicate runs
+            key = tuple(values.values())
+            if key not in seen:
+                seen.add(key)
+                tests.append(Test("spec", n_gen=n_gen, prompt_set=prompt_set, temp=temp, **values))
+    return tests
+
+
+def from_flags(flags: dict) -> BenchParams:
+    """The command's raw flag values (lists of strings as typed, None when absent) -> BenchParams.
+
+    Which kinds run: the pp/tg/pg tests by default; when a speculative sweep (`--spec-type`, `-md`, `--prompts`,
+    `--prompt-set`) or `--verify-cost` is asked for, only if `-p`/`-pg` (or, without a sweep, `-n`) is given too,
+    because in a sweep `-n` is the number of tokens generated per prompt."""
+    spec_type = parse_spec_chains(flags.get("spec_type"))
+    model_draft = parse_str_list(flags.get("model_draft"), [])
+    if model_draft and not spec_type:
+        spec_type = ["draft-simple"]  # -md alone enables draft-simple, as in every other command (#25345)
+    prompt_sets = parse_str_list(flags.get("prompt_set"), []) + list(flags.get("prompts") or [])
+    speculative = bool(spec_type or prompt_sets)
+    verify_cost = flags.get("verify_cost") or 0
+    explicit = bool(flags.get("n_prompt") or flags.get("n_pg") or (flags.get("n_gen") and not speculative))
+    d = BenchParams()
+    return BenchParams(
+        model=parse_str_list(flags.get("model"), d.model),
+        n_prompt=parse_int_list(flags.get("n_prompt"), d.n_prompt, "-p"),
+        n_gen=parse_int_list(flags.get("n_gen"), d.n_gen, "-n"),
+        n_pg=parse_pairs(flags.get("n_pg")),
+        n_depth=parse_int_list(flags.get("n_depth"), d.n_depth, "-d"),
+        n_batch=parse_int_list(flags.get("n_batch"), d.n_batch, "-b"),
+        n_ubatch=parse_int_list(flags.get("n_ubatch"), d.n_ubatch, "-ub"),
+        n_threads=parse_int_list(flags.get("n_threads"), d.n_threads, "-t"),
+        n_gpu_layers=parse_int_list(flags.get("n_gpu_layers"), d.n_gpu_layers, "-ngl", allow_negative=True),
+        devices=parse_str_list(flags.get("devices"), d.devices),
+        flash_attn=parse_flash_attn(flags.get("flash_attn")),
+        dtype=parse_str_list(flags.get("dtype"), d.dtype),
+        spec_type=spec_type,
+        model_draft=model_draft,
+        draft_max=parse_int_list(flags.get("draft_max"), d.draft_max, "--draft-max"),
+        draft_min=parse_int_list(flags.get("draft_min"), d.draft_min, "--draft-min"),
+        draft_p_min=parse_float_list(flags.get("draft_p_min"), d.draft_p_min, "--draft-p-min"),
+        spec_verify=parse_str_list(flags.get("spec_verify"), d.spec_verify),
+        temp=parse_float_list(flags.get("temp"), d.temp, "--temp"),
+        prompt_sets=prompt_sets or (["code-edit"] if spec_type else []),
+        random_tests=explicit or not (speculative or verify_cost),
+        verify_cost=verify_cost,
+        repetitions=flags.get("repetitions", d.repetitions),
+        warmup=not flags.get("no_warmup", False),
+        warm=bool(flags.get("warm", False)),
+        delay=flags.get("delay", 0) or 0,
+    )
