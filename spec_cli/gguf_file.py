@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import mmap
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from spec_cli.errors import SpecCliError
@@ -154,6 +156,12 @@ class GGUFFile:
         """The tensor's raw bytes as a read-only uint8 view of the memory map (no copy)."""
         info = self.tensors[name]
         return np.frombuffer(self._mm, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
+
+    def tensor_bytes(self, name: str) -> torch.Tensor:
+        """The same bytes as a uint8 torch tensor sharing the memory map (read it, never write it)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            return torch.frombuffer(self.data(name), dtype=torch.uint8)
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)

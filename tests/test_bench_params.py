@@ -1,0 +1,146 @@
+"""Bench parameters: llama-bench's value syntax (lists, repeats, +step and *mult ranges) and the instance order
+(Cartesian product, model outermost, depth innermost, tests pp -> tg -> pg; speculative cases after the plain run)."""
+
+from __future__ import annotations
+
+import pytest
+
+from spec_cli.bench.params import (
+    BenchParams,
+    from_flags,
+    instances,
+    parse_flash_attn,
+    parse_int_list,
+    parse_pairs,
+    parse_spec_chains,
+    parse_values,
+)
+from spec_cli.errors import UsageError
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("5", [5]),
+    ("0", [0]),
+    ("1-4", [1, 2, 3, 4]),
+    ("3-3", [3]),
+    ("1-32+4", [1, 5, 9, 13, 17, 21, 25, 29]),  # 33 overshoots: last is included only when reached exactly
+    ("0-8+4", [0, 4, 8]),
+    ("1-64*2", [1, 2, 4, 8, 16, 32, 64]),
+    ("1-16*2", [1, 2, 4, 8, 16]),
+    ("1-10*3", [1, 3, 9]),
+    ("2-5*2", [2, 4]),
+    ("1,2,4", [1, 2, 4]),
+    ("8,1-3", [8, 1, 2, 3]),  # order as written, no sorting
+    ("4,4", [4, 4]),
+])
+def test_parse_values(text, expected):
+    assert parse_values(text) == expected
+
+
+@pytest.mark.parametrize("text", ["4-1", "1-8*1", "0-8*2", "1-8+0", "a", "1-", "", "-3", "1-8/2", "1.5", "1,,2"])
+def test_parse_values_rejects(text):
+    with pytest.raises(UsageError):
+        parse_values(text)
+
+
+def test_repeated_flags_concatenate_and_defaults_apply():
+    assert parse_int_list(["1,2", "4-6"], [512], "-p") == [1, 2, 4, 5, 6]
+    assert parse_int_list(None, [512], "-p") == [512]
+    assert parse_int_list(["-1,0-2"], [0], "-ngl", allow_negative=True) == [-1, 0, 1, 2]
+    with pytest.raises(UsageError, match="-p"):
+        parse_int_list(["-1"], [0], "-p")
+
+
+def test_pairs_flash_attn_and_spec_chains():
+    assert parse_pairs(["512,128", "1,2"]) == [(512, 128), (1, 2)]
+    with pytest.raises(UsageError):
+        parse_pairs(["512"])
+    assert parse_flash_attn(["on,off", "auto"]) == [1, 0, -1]
+    with pytest.raises(UsageError):
+        parse_flash_attn(["maybe"])
+    # comma = next sweep value, + = one chain in llama.cpp's priority order, aliases resolved, none dropped
+    assert parse_spec_chains(["draft+ngram-mod,ngram-simple", "none,ngram-simple"]) == [
+        "ngram-mod+draft-simple", "ngram-simple"]
+    with pytest.raises(UsageError):
+        parse_spec_chains(["ngram-nope"])
+
+
+def _shape(inst):
+    return (inst.model, inst.n_batch, inst.n_threads, inst.test.kind, inst.test.n_prompt, inst.test.n_gen,
+            inst.test.n_depth)
+
+
+def test_instance_order_is_llama_bench_nesting():
+    p = BenchParams(model=["a", "b"], n_prompt=[8, 16], n_gen=[4], n_pg=[(2, 3)], n_depth=[0, 32], n_batch=[64, 128],
+                    n_threads=[1, 2])
+    got = [_shape(i) for i in instances(p)]
+    per_depth = lambda d: [("pp", 8, 0, d), ("pp", 16, 0, d), ("tg", 0, 4, d), ("pg", 2, 3, d)]  # noqa: E731
+    expected = [(m, b, t, *test) for m in "ab" for b in (64, 128) for t in (1, 2) for d in (0, 32)
+                for test in per_depth(d)]
+    assert got == expected
+    assert len(got) == 2 * 2 * 2 * 2 * 4
+    # the first four rows written out, so the nesting is checked literally too
+    assert got[:5] == [("a", 64, 1, "pp", 8, 0, 0), ("a", 64, 1, "pp", 16, 0, 0), ("a", 64, 1, "tg", 0, 4, 0),
+                       ("a", 64, 1, "pg", 2, 3, 0), ("a", 64, 1, "pp", 8, 0, 32)]
+
+
+def test_engine_fields_nest_in_llama_bench_order():
+    p = BenchParams(model=["m"], dtype=["f32", "bf16"], n_gpu_layers=[0, 99], n_ubatch=[256, 512], flash_attn=[0, 1],
+                    n_prompt=[8], n_gen=[0])
+    got = [(i.dtype, i.n_gpu_layers, i.n_ubatch, i.flash_attn) for i in instances(p)]
+    assert got[:4] == [("f32", 0, 256, 0), ("f32", 0, 256, 1), ("f32", 0, 512, 0), ("f32", 0, 512, 1)]
+    assert got[4] == ("f32", 99, 256, 0) and got[8] == ("bf16", 0, 256, 0)
+    assert len(set(got)) == len(got) == 16
+
+
+def test_zero_lengths_make_no_test():
+    p = BenchParams(n_prompt=[0, 8], n_gen=[0], n_pg=[(0, 0)])
+    assert [(i.test.kind, i.test.n_prompt) for i in instances(p)] == [("pp", 8)]
+
+
+def test_verify_cost_test_per_depth():
+    p = BenchParams(n_depth=[0, 64], random_tests=False, verify_cost=8)
+    assert [(i.test.kind, i.test.n_depth, i.test.verify_k) for i in instances(p)] == [("verify", 0, 8),
+                                                                                      ("verify", 64, 8)]
+
+
+def test_speculative_cases_follow_their_plain_run():
+    p = BenchParams(model=["m"], random_tests=False, spec_type=["ngram-simple", "draft-simple"],
+                    model_draft=["d1", "d2"], draft_max=[2, 4], prompt_sets=["qa", "chat"], n_gen=[16])
+    tests = [i.test for i in instances(p)]
+    for set_name in ("qa", "chat"):
+        mine = [t for t in tests if t.prompt_set == set_name]
+        assert mine[0].spec_type == "none"  # plain first: the speed-up reference
+        got = [(t.spec_type, t.model_draft, t.draft_max) for t in mine[1:]]
+        # ngram-simple does not use the draft model: one run per draft length, not one per draft model
+        assert got == [("ngram-simple", "", 2), ("ngram-simple", "", 4), ("draft-simple", "d1", 2),
+                       ("draft-simple", "d1", 4), ("draft-simple", "d2", 2), ("draft-simple", "d2", 4)]
+    assert [t.prompt_set for t in tests].index("chat") == 7
+
+
+def test_from_flags_selects_test_kinds():
+    plain = from_flags({})
+    assert plain.random_tests and not plain.speculative and plain.n_prompt == [512] and plain.n_gen == [128]
+    sweep = from_flags({"spec_type": ["ngram-mod"], "n_gen": ["32"]})
+    # in a sweep -n is the length per prompt, not a tg test; the default prompt set is code-edit
+    assert not sweep.random_tests and sweep.n_gen == [32] and sweep.prompt_sets == ["code-edit"]
+    assert from_flags({"spec_type": ["ngram-mod"], "n_prompt": ["64"]}).random_tests
+    assert not from_flags({"verify_cost": 4}).random_tests
+    assert from_flags({"verify_cost": 4, "n_gen": ["8"]}).random_tests
+    md = from_flags({"model_draft": ["small.gguf"]})
+    assert md.spec_type == ["draft-simple"]  # -md alone sweeps draft-simple
+    assert from_flags({"prompt_set": ["qa"], "prompts": ["mine.jsonl"]}).prompt_sets == ["qa", "mine.jsonl"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    ({"spec_type": ["draft-simple"]}, "draft model"),
+    ({"n_batch": ["0"]}, "n_batch"),
+    ({"draft_p_min": ["1.5"]}, "p-min"),
+    ({"spec_verify": ["sometimes"]}, "spec-verify"),
+    ({"repetitions": 0}, "-r"),
+    ({"spec_type": ["ngram-mod"], "n_gen": ["0"]}, "-n"),
+    ({"temp": ["hot"]}, "--temp"),
+])
+def test_invalid_parameters_are_usage_errors(flags, message):
+    with pytest.raises(UsageError, match=message):
+        instances(from_flags(flags))

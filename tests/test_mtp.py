@@ -1,0 +1,227 @@
+"""MTP (NextN) drafting: the GGUF layout round trip, the hidden-state shift (every draft equals a from-scratch run of the
+head on (token_p, h_{p-1}), and a head reading another position would draft differently), the state kept after a
+partial acceptance, greedy losslessness alone and in a chain for one and four sequences, and head distillation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from spec_cli.batch import Batch
+from spec_cli.context import Context
+from spec_cli.engine import EngineOptions, build_engine
+from spec_cli.generate import generate
+from spec_cli.gguf_file import GGUFFile
+from spec_cli.loader import load_model
+from spec_cli.mtp import MTPContext, load_mtp_head
+from spec_cli.mtp_train import TrainConfig, head_forward, train
+from spec_cli.sampling import SamplingParams
+from spec_cli.speculative.base import SpecParams
+from spec_cli.speculative.chain import Chain
+from spec_cli.speculative.mtp import MTPDrafter
+from spec_cli.speculative.registry import NGRAM_DRAFTERS
+from tests.tiny_mtp import write_tiny_mtp_gguf
+
+GREEDY = SamplingParams(temp=0.0)
+PROMPTS = [
+    [40, 41, 42, 43, 44, 45, 46, 47, 40, 41, 42, 43, 44, 45, 46, 47, 40, 41, 42],
+    [60, 61, 62, 60, 61, 62, 60, 61, 62, 60, 61],
+    [70, 71, 72, 73, 74, 70, 71, 72, 73],
+    [80, 81, 82, 83, 80, 81, 82, 83, 80, 81],
+]
+N_PREDICT = 32
+
+
+@pytest.fixture(scope="module")
+def mtp_path(tmp_path_factory):
+    return write_tiny_mtp_gguf(tmp_path_factory.mktemp("mtp") / "tiny-mtp.gguf")
+
+
+def make_engine(path, spec_types: str = "", n_seq: int = 1, **spec):
+    """An engine whose chain holds the requested n-gram drafters and, for `draft-mtp`, an MTP drafter."""
+    types = [t for t in spec_types.split(",") if t]
+    params = SpecParams(types=types, draft_max=6, draft_p_min=0.0, ngram_mod_n_match=3, ngram_mod_n_min=1,
+                        ngram_mod_n_max=8, **spec)
+    engine = build_engine(EngineOptions(model=str(path), n_ctx=128 * n_seq, n_seq=n_seq, device="cpu",
+                                        spec=SpecParams(draft_max=params.draft_max)))
+    engine.spec = params
+    drafters = [NGRAM_DRAFTERS[t](params, n_seq) for t in types if t != "draft-mtp"]
+    if "draft-mtp" in types:
+        ctx = engine.ctx
+        mctx = MTPContext(load_mtp_head(engine.target), ctx.n_ctx, n_seq, ctx.n_batch, ctx.n_ubatch)
+        drafters.append(MTPDrafter(mctx, ctx, params, n_seq))
+    engine.chain = Chain(drafters, n_seq) if drafters else None
+    return engine
+
+
+def run_all(engine, prompts):
+    """Greedy outputs of all prompts generated together, one sequence each."""
+    engine.reset()
+    gen = engine.generator()
+    outs = {seq: list(gen.start(seq, p, GREEDY, N_PREDICT).tokens) for seq, p in enumerate(prompts)}
+    seqs = dict(gen.active)
+    while emitted := gen.step():
+        for e in emitted:
+            outs[e.seq].extend(e.tokens)
+    return [outs[s] for s in range(len(prompts))], seqs
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(mtp_path):
+    engine = make_engine(mtp_path)
+    return [run_all(engine, [p])[0][0] for p in PROMPTS]
+
+
+# --- model side -----------------------------------------------------------------------------------------------
+
+
+def test_gguf_layout_and_loading(mtp_path, tmp_path):
+    gf = GGUFFile(mtp_path)
+    base = GGUFFile(mtp_path.with_name(mtp_path.stem + "-base.gguf"))
+    assert gf.metadata["llama.block_count"] == base.metadata["llama.block_count"] + 1 == 2
+    assert gf.metadata["llama.nextn_predict_layers"] == 1
+    assert {"blk.1.nextn.eh_proj.weight", "blk.1.nextn.enorm.weight", "blk.1.nextn.hnorm.weight",
+            "blk.1.nextn.shared_head_norm.weight", "blk.1.attn_q.weight", "blk.1.ffn_down.weight"} <= set(gf.tensors)
+    assert gf.tensors["blk.1.nextn.eh_proj.weight"].shape == (64, 128)  # ggml ne = [2 * n_embd, n_embd]
+    for name, info in base.tensors.items():  # every original tensor copied byte for byte
+        assert gf.tensors[name].qtype == info.qtype and np.array_equal(gf.data(name), base.data(name))
+    for key, value in base.metadata.items():
+        if key != "llama.block_count":
+            assert gf.metadata[key] == value
+
+    lm = load_model(mtp_path, device="cpu")
+    assert (lm.config.n_layer, lm.config.n_layer_main, lm.config.n_nextn) == (2, 1, 1)
+    head = load_mtp_head(lm)
+    assert head.head_norm is not None and head.head is None and head.embed is None
+    assert load_mtp_head(load_model(base.path, device="cpu")) is None
+    # the NextN block is not part of the main stack: same logits as the model without it
+    batch = Batch()
+    for i, t in enumerate(PROMPTS[0]):
+        batch.add(t, i, 0, True)
+    with_head = Context(lm, n_ctx=64).decode(batch).logits
+    without = Context(load_model(base.path, device="cpu"), n_ctx=64).decode(batch).logits
+    torch.testing.assert_close(with_head, without, atol=0, rtol=0)
+
+    own = load_mtp_head(load_model(write_tiny_mtp_gguf(tmp_path / "own.gguf", own_embed=True), device="cpu"))
+    assert torch.equal(own.embed_tokens(torch.tensor([3, 9])), lm.model.tok_embd(torch.tensor([3, 9])))
+
+
+# --- the hidden-state shift and rollback ----------------------------------------------------------------------
+
+
+def reference_draft(head, lm, prompt: list[int], id_last: int, n: int, shift: int = 1) -> list[int]:
+    """Greedy drafts by brute force: the target run afresh over the committed tokens, then for every draft position
+    the head run afresh over all rows, row p reading feed[p - shift] (feed = target hidden states of the committed
+    positions, then the head's own outputs at the drafted ones). shift=1 is the NextN definition."""
+    batch = Batch()
+    for i, t in enumerate(prompt):
+        batch.add(t, i, 0, False)
+    feed = Context(lm, n_ctx=len(prompt) + n + 2).decode(batch, hidden=True).hidden  # [P, D]
+    tokens, drafts = prompt + [id_last], []
+    with torch.no_grad():
+        for _ in range(n):
+            prev = torch.zeros(len(tokens), feed.shape[1])
+            prev[shift:] = feed[: len(tokens) - shift]
+            out = head_forward(head, torch.tensor([tokens]), prev[None])[0]  # [T, D]
+            drafts.append(int(head.logits(out[-1]).argmax()))
+            tokens.append(drafts[-1])
+            feed = torch.cat((feed, out[-1:]))
+    return drafts
+
+
+def record_drafts(engine):
+    """Wrap the MTP drafter's draft(): every call's (prompt, id_last, drafted tokens)."""
+    drafter = engine.chain.drafters[-1]
+    calls, inner = [], drafter.draft
+
+    def draft(params):
+        inner(params)
+        calls.extend((list(p.prompt), p.id_last, list(p.result)) for p in params if p.result)
+
+    drafter.draft = draft
+    return calls
+
+
+@pytest.mark.parametrize("n_seq", [1, 4])
+def test_drafts_follow_the_shifted_hidden_states(mtp_path, n_seq):
+    engine = make_engine(mtp_path, "draft-mtp", n_seq=n_seq)
+    calls = record_drafts(engine)
+    _, seqs = run_all(engine, PROMPTS[:n_seq])
+    stats = engine.chain.stats["draft-mtp"]
+    assert 0 < stats.n_acc_tokens < stats.n_gen_tokens, "needs partial acceptance to exercise the rollback"
+    head, lm = engine.chain.drafters[-1].ctx.head, engine.target
+    wrong_shift_differs = False
+    for prompt, id_last, drafted in calls[:12]:
+        assert drafted == reference_draft(head, lm, prompt, id_last, len(drafted))
+        wrong_shift_differs |= drafted != reference_draft(head, lm, prompt, id_last, len(drafted), shift=2)
+    assert wrong_shift_differs, "a head reading h_{p-2} drafts the same: the test could not see a wrong shift"
+
+
+def test_partial_acceptance_keeps_committed_state_only(mtp_path):
+    engine = make_engine(mtp_path, "draft-mtp")
+    drafter = engine.chain.drafters[-1]
+    prompt = PROMPTS[0]
+    engine.reset()
+    gen = engine.generator()
+    id_last = gen.start(0, prompt, GREEDY, N_PREDICT).tokens[0]
+    from spec_cli.speculative.base import DraftParams
+
+    p = DraftParams(0, 3, len(prompt), id_last, list(prompt))
+    drafter.draft([p])
+    assert len(p.result) == 3
+    batch = Batch()
+    for i, t in enumerate([id_last] + p.result):
+        batch.add(t, len(prompt) + i, 0, True)
+    out = engine.ctx.decode(batch)
+    drafter.process(batch)
+    drafter.accept(0, 1, False)  # the target kept id_last and the first draft token
+    keep = len(prompt) + 2
+    assert drafter.tokens[0] == prompt + [id_last, p.result[0]]
+    assert drafter.n_done[0] <= keep and drafter.ctx.lengths[0] <= keep
+    torch.testing.assert_close(drafter.ctx.feed[0, keep - 1], out.hidden[1])  # pending = hidden of the last kept row
+    engine.ctx.seq_rm(0, keep)
+    q = DraftParams(0, 3, keep, 5, prompt + [id_last, p.result[0]])
+    drafter.draft([q])
+    assert q.result == reference_draft(drafter.ctx.head, engine.target, q.prompt, 5, 3)
+
+
+# --- losslessness -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chain", ["draft-mtp", "ngram-mod,draft-mtp"])
+@pytest.mark.parametrize("n_seq", [1, 4])
+def test_greedy_speculation_equals_plain(mtp_path, plain_outputs, chain, n_seq):
+    engine = make_engine(mtp_path, chain, n_seq=n_seq)
+    outs, seqs = run_all(engine, PROMPTS[:n_seq])
+    assert outs == plain_outputs[:n_seq]
+    stats = engine.chain.stats["draft-mtp"]
+    assert stats.n_gen_tokens > 0 and stats.n_acc_tokens > 0
+    assert max(len(stats.n_gen_tokens_per_pos), 1) <= 3  # MTP's own default length cap, below --draft-max 6
+
+
+# --- distillation -------------------------------------------------------------------------------------------
+
+
+def test_training_lowers_the_loss_and_round_trips(tiny_model_path, tmp_path):
+    target = load_model(tiny_model_path, device="cpu")
+    cfg = TrainConfig(steps=30, lr=3e-3, seq_len=32, batch=8, data_tokens=32 * 24, gen_tokens=32 * 4,
+                      eval_tokens=32 * 4, checkpoint_every=10)
+    losses = []
+    out = tmp_path / "tiny-trained-mtp.gguf"
+    result = train(target, out, cfg, lambda p: losses.append(p.info["loss"]) if p.stage == "train" else None)
+    assert len(losses) == cfg.steps and np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5])
+    assert 0.0 <= result.acc_init <= 1.0 and 0.0 <= result.acc_final <= 1.0
+
+    lm = load_model(out, device="cpu")
+    assert (lm.config.n_layer_main, lm.config.n_nextn) == (target.config.n_layer, 1)
+    trained = torch.load(out.with_suffix(".ckpt.pt"))["head"]
+    loaded = load_mtp_head(lm).state_dict()
+    assert trained.keys() == loaded.keys()
+    for name, t in trained.items():
+        torch.testing.assert_close(loaded[name], t, atol=0, rtol=0)
+    engine = make_engine(out, "draft-mtp")
+    plain = make_engine(out)
+    for prompt in PROMPTS[:2]:
+        assert run_all(engine, [prompt])[0] == run_all(plain, [prompt])[0]
+    assert engine.chain.stats["draft-mtp"].n_gen_tokens > 0

@@ -1,0 +1,94 @@
+"""Parity with llama.cpp on the real GGUF models: greedy tokens from tests/reference (llama.cpp via llama-cpp-python).
+
+llama.cpp multiplies quantized weights with quantized activations, so its logits differ from ours by up to ~0.1-0.2
+on these models. Where its top-1/top-2 margin is that small, either engine may pick the other token; so the
+teacher-forced test feeds llama.cpp's tokens and requires the same argmax wherever its margin is clear, and requires
+every disagreement to be a near tie in our logits too (the margins are printed in the failure message).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from spec_cli.batch import Batch
+from spec_cli.context import Context
+from spec_cli.engine import EngineOptions, build_engine
+from spec_cli.generate import generate
+from spec_cli.loader import load_model
+from spec_cli.sampling import SamplingParams
+from tests.real_models import real_model, reference
+
+CLEAR_MARGIN = 0.25  # llama.cpp logit margin above which we must pick llama.cpp's token
+NEAR_TIE = 0.25  # our own margin for a tolerated disagreement
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+def test_teacher_forced_argmax_matches_llamacpp(name):
+    loaded = load_model(real_model(name), device="cpu")
+    for case in reference(name)["greedy"]:
+        prompt, output = case["prompt_ids"], case["output_ids"]
+        batch = Batch()
+        for i, tok in enumerate(prompt + output):
+            batch.add(tok, i, 0, i >= len(prompt) - 1)
+        logits = Context(loaded, n_ctx=1024).decode(batch).logits[: len(output)]
+        ours = logits.argmax(-1).tolist()
+        problems = []
+        for i, (mine, theirs) in enumerate(zip(ours, output)):
+            if mine == theirs:
+                continue
+            their_margin = case["top1_minus_top2_logit"][i]
+            our_margin = float(logits[i, mine] - logits[i, theirs])
+            if their_margin > CLEAR_MARGIN or our_margin > NEAR_TIE:
+                problems.append(f"step {i}: ours {mine} theirs {theirs}, margins llama.cpp {their_margin:.3f} ours "
+                                f"{our_margin:.3f}")
+        assert not problems, f"{name}/{case['id']}: " + "; ".join(problems)
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
+def test_free_running_greedy_matches_llamacpp_up_to_the_first_near_tie(name):
+    engine = build_engine(EngineOptions(model=str(real_model(name)), n_ctx=1024, device="cpu"))
+    for case in reference(name)["greedy"]:
+        margins = case["top1_minus_top2_logit"]
+        safe = next((i for i, m in enumerate(margins) if m < CLEAR_MARGIN), len(margins))
+        if safe == 0:
+            continue
+        engine.reset()
+        out: list[int] = []
+        generate(engine.generator(), case["prompt_ids"], SamplingParams(temp=0.0), safe,
+                 on_emit=lambda e: out.extend(e.tokens))
+        expected = [t for t in case["output_ids"][:safe] if t not in engine.tokenizer.eog_ids]  # EOG is not emitted
+        assert out == expected, f"{name}/{case['id']}"
+
+
+def test_run_command_prints_llamacpp_continuation():
+    """The issue's acceptance command, end to end through the CLI."""
+    case = next(c for c in reference("qwen2.5-coder-0.5b")["greedy"] if c["id"] == "fibonacci")
+    proc = subprocess.run(
+        [sys.executable, "-m", "spec_cli", "run", "-m", str(real_model("qwen2.5-coder-0.5b")), "-p", case["prompt_text"],
+         "-n", str(case["n_predict"]), "--temp", "0"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(case["prompt_text"] + case["output_text"])
+    assert "generation" in proc.stderr  # the summary table
+
+
+def test_near_tie_divergence_is_shown_with_its_margin():
+    """smollm2 'fibonacci': llama.cpp picks 2822 at step 13 with a 0.107 margin; we pick another token by a similar
+    margin. Both engines agree everywhere the margin is clear (test above); this pins the known near tie."""
+    case = next(c for c in reference("smollm2-135m")["greedy"] if c["id"] == "fibonacci")
+    loaded = load_model(real_model("smollm2-135m"), device="cpu")
+    tokens = case["prompt_ids"] + case["output_ids"][:13]
+    batch = Batch()
+    for i, tok in enumerate(tokens):
+        batch.add(tok, i, 0, i == len(tokens) - 1)
+    logits = Context(loaded, n_ctx=256).decode(batch).logits[0]
+    top2 = torch.topk(logits, 2)
+    assert case["top1_minus_top2_logit"][13] < 0.15
+    assert float(top2.values[0] - logits[case["output_ids"][13]]) < NEAR_TIE

@@ -1,0 +1,232 @@
+"""The server under load and faults: 16 concurrent streaming clients on -np 4 slots (continuous batching, one
+target decode per step for all slots) each get exactly the single-request greedy output for their own prompt,
+with and without speculation; per-request speculation overrides take effect and are echoed; queued requests
+are served in arrival order; a client that disconnects (streaming or not) frees its slot at once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import ExitStack
+
+import httpx
+import openai
+import pytest
+
+from spec_cli.server import ServerSettings
+from tests.server_harness import PROMPTS, LiveServer, greedy_reference, make_engine, parse_metrics
+
+N = 24  # tokens per answer
+CLIENTS, REQUESTS = 16, 2
+CONFIGS = {
+    "plain": dict(),
+    "ngram-simple": dict(spec_types="ngram-simple"),
+    "draft-simple": dict(spec_types="draft-simple", draft=True),
+}
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_model_path):
+    return greedy_reference(tiny_model_path, PROMPTS, N)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_path, tiny_draft_path):
+    """Starts each -np 4 configuration on first use."""
+    stack = ExitStack()
+    started: dict[str, LiveServer] = {}
+
+    def get(name: str) -> LiveServer:
+        if name not in started:
+            cfg = dict(CONFIGS[name])
+            draft = tiny_draft_path if cfg.pop("draft", False) else None
+            engine = make_engine(tiny_model_path, n_seq=4, draft=draft, **cfg)
+            started[name] = stack.enter_context(LiveServer(engine, ServerSettings(metrics=True)))
+        return started[name]
+
+    with stack:
+        yield get
+
+
+async def one_client(url: str, i: int, ref: dict, tok) -> list[bool]:
+    """REQUESTS streaming requests in a row; even clients use the openai client, odd ones httpx on /completion."""
+    results = []
+    oai = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        for r in range(REQUESTS):
+            prompt = PROMPTS[(i + 3 * r) % len(PROMPTS)]
+            if i % 2 == 0:
+                stream = await oai.completions.create(model="m", prompt=prompt, max_tokens=N, temperature=0,
+                                                      stream=True)
+                text = "".join([c.choices[0].text async for c in stream if c.choices])
+                results.append(text == tok.decode(ref[prompt], special=False))
+            else:
+                tokens = []
+                body = {"prompt": prompt, "n_predict": N, "temperature": 0, "stream": True, "return_tokens": True}
+                async with http.stream("POST", "/completion", json=body) as resp:
+                    async for line in resp.aiter_lines():
+                        if line.startswith("data: "):
+                            tokens.extend(json.loads(line[6:])["tokens"])
+                results.append(tokens == ref[prompt])
+    await oai.close()
+    return results
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_concurrent_streaming_clients_get_their_own_greedy_output(servers, ref, config):
+    srv = servers(config)
+    tok = srv.engine.tokenizer
+    before = parse_metrics(httpx.get(srv.url + "/metrics").text)
+
+    async def main():
+        return await asyncio.wait_for(
+            asyncio.gather(*(one_client(srv.url, i, ref, tok) for i in range(CLIENTS))), timeout=240)
+
+    t0 = time.perf_counter()
+    results = asyncio.run(main())
+    elapsed = time.perf_counter() - t0
+    assert [len(r) for r in results] == [REQUESTS] * CLIENTS  # every response arrived
+    assert all(all(r) for r in results), results  # each equals its own prompt's single-request greedy output
+    m = parse_metrics(httpx.get(srv.url + "/metrics").text)
+    n_tokens = m["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"]
+    assert n_tokens == sum(len(ref[PROMPTS[(i + 3 * r) % len(PROMPTS)]]) for i in range(CLIENTS)
+                           for r in range(REQUESTS))
+    assert m["llamacpp:n_busy_slots_per_decode"] > 1.5  # the slots really decoded together
+    assert m["llamacpp:requests_processing"] == 0 and m["llamacpp:requests_deferred"] == 0
+    print(f"\n{config}: {CLIENTS * REQUESTS} requests, {n_tokens:.0f} tokens in {elapsed:.2f} s "
+          f"= {n_tokens / elapsed:.0f} tok/s on -np 4")
+    drafted = m["llamacpp:spec_decode_num_draft_tokens_total"]
+    accepted = m["llamacpp:spec_decode_num_accepted_tokens_total"]
+    per_pos = [v for k, v in m.items() if k.startswith("llamacpp:spec_decode_num_accepted_tokens_per_pos_total{")]
+    assert sum(per_pos) == accepted and accepted <= drafted
+    if config == "plain":
+        assert drafted == 0
+    else:
+        assert accepted > 0 and m["llamacpp:spec_decode_num_drafts_total"] > 0, "nothing accepted: proves nothing"
+
+
+def native(srv, **body):
+    r = httpx.post(srv.url + "/completion", json={"temperature": 0, "n_predict": N, "return_tokens": True, **body},
+                   timeout=60)
+    return r
+
+
+def test_per_request_speculation_overrides(servers, ref):
+    srv = servers("ngram-simple")
+    runs = {p: native(srv, prompt=p).json() for p in PROMPTS}
+    prompt = max(PROMPTS, key=lambda p: runs[p]["timings"].get("draft_n", 0))
+    default = runs[prompt]
+    assert default["timings"]["draft_n"] > 0 and default["tokens"] == ref[prompt]
+    gs = default["generation_settings"]
+    assert gs["speculative"] is True and gs["speculative.types"] == ["ngram-simple"]
+    assert gs["speculative.n_max"] == srv.engine.spec.draft_max
+
+    off = native(srv, prompt=prompt, speculative=False).json()
+    assert off["tokens"] == ref[prompt] and "draft_n" not in off["timings"]
+    assert off["generation_settings"]["speculative"] is False and off["generation_settings"]["speculative.types"] == []
+
+    one = native(srv, prompt=prompt, speculative={"n_max": 1}).json()
+    assert one["tokens"] == ref[prompt] and one["generation_settings"]["speculative.n_max"] == 1
+    # at most one draft token per step, and every step yields at least one token
+    assert 0 < one["timings"]["draft_n"] <= one["timings"]["predicted_n"]
+
+    typed = native(srv, prompt=prompt, speculative={"types": ["ngram-simple"], "n_min": 0}).json()
+    assert typed["generation_settings"]["speculative.types"] == ["ngram-simple"]
+    assert typed["generation_settings"]["speculative.n_min"] == 0 and typed["tokens"] == ref[prompt]
+
+    none = native(srv, prompt=prompt, speculative={"types": []}).json()
+    assert "draft_n" not in none["timings"] and none["generation_settings"]["speculative"] is False
+
+    r = native(srv, prompt=prompt, speculative={"types": ["draft-simple"]})
+    assert r.status_code == 400 and "ngram-simple" in r.json()["error"]["message"]
+    r = native(srv, prompt=prompt, speculative={"n_min": 5, "n_max": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "speculative.n_min"
+    r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "speculative": {"n_max": 2}})
+    assert r.status_code == 200 and r.json()["generation_settings"]["speculative.n_max"] == 2
+    latest = max(httpx.get(srv.url + "/slots").json(), key=lambda s: s["id_task"])  # the chat request's slot
+    assert latest["speculative"] is True and latest["params"]["speculative.n_max"] == 2
+
+
+def test_draft_model_p_min_override(servers, ref):
+    srv = servers("draft-simple")
+    prompt = PROMPTS[0]
+    default = native(srv, prompt=prompt).json()
+    t = default["timings"]
+    assert default["tokens"] == ref[prompt] and t["draft_n"] > 0 and 0 <= t["draft_n_accepted"] <= t["draft_n"]
+    # p_min 1: the draft model's top-1 probability never reaches 1, so it never drafts
+    strict = native(srv, prompt=prompt, speculative={"p_min": 1.0}).json()
+    assert strict["tokens"] == ref[prompt] and "draft_n" not in strict["timings"]
+    assert strict["generation_settings"]["speculative.p_min"] == 1.0
+
+
+# --- queueing and disconnects on a single slot ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def single(tiny_model_path):
+    with LiveServer(make_engine(tiny_model_path, n_seq=1, n_ctx_slot=2048), ServerSettings(metrics=True)) as s:
+        yield s
+
+
+LONG = 1500  # tokens a cancelled request would generate if nobody stopped it
+
+
+async def wait_for(predicate, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_queue_is_fifo_and_stream_disconnect_frees_the_slot(single):
+    async def main():
+        async with httpx.AsyncClient(base_url=single.url, timeout=60) as c:
+            async def deferred():
+                return parse_metrics((await c.get("/metrics")).text)["llamacpp:requests_deferred"]
+
+            long_req = {"prompt": "long", "n_predict": LONG, "ignore_eos": True, "temperature": 0, "stream": True}
+            cm = c.stream("POST", "/completion", json=long_req)
+            stream = await cm.__aenter__()
+            lines = stream.aiter_lines()
+            while not (await lines.__anext__()).startswith("data: "):
+                pass
+            order, followers = [], []
+
+            async def follower(name):
+                r = await c.post("/completion", json={"prompt": f"queued {name}", "n_predict": 3})
+                order.append((name, r.status_code))
+
+            for k, name in enumerate("BCD", start=1):
+                followers.append(asyncio.create_task(follower(name)))
+                count = k
+
+                async def queued(count=count):
+                    return await deferred() == count
+                await wait_for(queued)
+            await cm.__aexit__(None, None, None)  # the client goes away mid-stream
+            await asyncio.wait_for(asyncio.gather(*followers), timeout=60)
+            return order
+
+    order = asyncio.run(main())
+    assert order == [("B", 200), ("C", 200), ("D", 200)]
+    cancelled = [s for s in httpx.get(single.url + "/slots").json()]
+    assert not cancelled[0]["is_processing"]
+    m = parse_metrics(httpx.get(single.url + "/metrics").text)
+    assert m["llamacpp:tokens_predicted_total"] < LONG  # the long request stopped when its client left
+
+
+def test_non_streaming_disconnect_frees_the_slot(single):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(single.url + "/completion", timeout=0.5,
+                   json={"prompt": "abandoned", "n_predict": LONG, "ignore_eos": True})
+    deadline = time.monotonic() + 5
+    while True:
+        slot = httpx.get(single.url + "/slots").json()[0]
+        if not slot["is_processing"]:
+            break
+        assert time.monotonic() < deadline, "the slot is still busy after its client left"
+        time.sleep(0.01)
+    assert slot["next_token"][0]["n_decoded"] < LONG
+    r = httpx.post(single.url + "/completion", json={"prompt": "next", "n_predict": 3}, timeout=30)
+    assert r.status_code == 200 and r.json()["tokens_predicted"] == 3
