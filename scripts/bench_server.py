@@ -134,7 +134,8 @@ def main() -> None:
             try:
                 asyncio.run(run_cell(url, 1, 1, 8))  # warm-up
                 for n_clients in (int(x) for x in args.clients.split(",")):
-                    cell = {"np": n_parallel, "spec": spec, **asyncio.run(run_cell(url, n_clients, args.requests, args.n))}
+                    result = asyncio.run(run_cell(url, n_clients, args.requests, args.n))
+                    cell = {"np": n_parallel, "spec": spec, **result}
                     cells.append(cell)
                     acc = "" if cell["acceptance"] is None else f"{cell['acceptance']:.3f}"
                     print(f"| {n_parallel} | {spec} | {n_clients} | {cell['requests']} | {cell['tokens']} | "

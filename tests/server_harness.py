@@ -64,7 +64,8 @@ class LiveServer:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(engine, settings), log_level="warning", lifespan="on")
+        self.app = create_app(engine, settings)
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="on")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

@@ -311,6 +311,21 @@ def test_bad_field_is_named(http):
     assert err["param"] == "messages.0.content"
 
 
+def test_engine_error_fails_the_request_and_the_server_recovers(http, ref, tok, srv):
+    scheduler = srv.app.state.scheduler
+
+    def broken_step():
+        raise RuntimeError("injected fault")
+
+    scheduler.gen.step = broken_step  # the engine thread is idle: no request in flight
+    r = http.post("/completion", json={"prompt": PROMPTS[0], "n_predict": 8, "temperature": 0})
+    assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "server_error"
+    # the caches were reset and a fresh generator took over: the same request now succeeds, unchanged
+    body = native(http, prompt=PROMPTS[0], n_predict=8, return_tokens=True)
+    assert body["tokens"] == ref[PROMPTS[0]][:8] and body["timings"]["cache_n"] == 0
+
+
 # --- API key, disabled endpoints ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -172,46 +172,36 @@ def single(tiny_model_path):
 LONG = 1500  # tokens a cancelled request would generate if nobody stopped it
 
 
-async def wait_for(predicate, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
-
-
 def test_queue_is_fifo_and_stream_disconnect_frees_the_slot(single):
     async def main():
         async with httpx.AsyncClient(base_url=single.url, timeout=60) as c:
-            async def deferred():
-                return parse_metrics((await c.get("/metrics")).text)["llamacpp:requests_deferred"]
+            async def wait_deferred(n: int):
+                deadline = time.monotonic() + 10
+                while parse_metrics((await c.get("/metrics")).text)["llamacpp:requests_deferred"] != n:
+                    assert time.monotonic() < deadline, f"never saw {n} queued requests"
+                    await asyncio.sleep(0.01)
 
-            long_req = {"prompt": "long", "n_predict": LONG, "ignore_eos": True, "temperature": 0, "stream": True}
-            cm = c.stream("POST", "/completion", json=long_req)
-            stream = await cm.__aenter__()
-            lines = stream.aiter_lines()
-            while not (await lines.__anext__()).startswith("data: "):
-                pass
             order, followers = [], []
 
             async def follower(name):
                 r = await c.post("/completion", json={"prompt": f"queued {name}", "n_predict": 3})
                 order.append((name, r.status_code))
 
-            for k, name in enumerate("BCD", start=1):
-                followers.append(asyncio.create_task(follower(name)))
-                count = k
-
-                async def queued(count=count):
-                    return await deferred() == count
-                await wait_for(queued)
-            await cm.__aexit__(None, None, None)  # the client goes away mid-stream
+            long_req = {"prompt": "long", "n_predict": LONG, "ignore_eos": True, "temperature": 0, "stream": True}
+            async with c.stream("POST", "/completion", json=long_req) as stream:
+                lines = stream.aiter_lines()
+                while not (await lines.__anext__()).startswith("data: "):
+                    pass
+                for name in "BCD":  # each one queued behind the previous
+                    followers.append(asyncio.create_task(follower(name)))
+                    await wait_deferred(len(followers))
+            # leaving the block closed the half-read response: the client went away mid-stream
             await asyncio.wait_for(asyncio.gather(*followers), timeout=60)
             return order
 
     order = asyncio.run(main())
     assert order == [("B", 200), ("C", 200), ("D", 200)]
-    cancelled = [s for s in httpx.get(single.url + "/slots").json()]
-    assert not cancelled[0]["is_processing"]
+    assert not httpx.get(single.url + "/slots").json()[0]["is_processing"]
     m = parse_metrics(httpx.get(single.url + "/metrics").text)
     assert m["llamacpp:tokens_predicted_total"] < LONG  # the long request stopped when its client left
 

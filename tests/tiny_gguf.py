@@ -42,12 +42,20 @@ def write_tiny_gguf(
     output_scale: float = 4.0,
     sliding_window: int = 8,
     perturb: float = 0.0,
+    with_tokenizer: bool = True,
+    vocab_changes: dict | None = None,
 ) -> Path:
     """`perturb` > 0 adds that much relative noise (from another seed) to every weight: a draft model that
     agrees with the unperturbed target most of the time, not always."""
     rng = np.random.default_rng(seed)
     noise = np.random.default_rng(seed + 1000)
     vocab = tiny_bpe_metadata()
+    for key, value in (vocab_changes or {}).items():
+        if key == "rename_token":  # a different token text at this id: an incompatible vocabulary
+            vocab["tokenizer.ggml.tokens"] = list(vocab["tokenizer.ggml.tokens"])
+            vocab["tokenizer.ggml.tokens"][value] += "x"
+        else:
+            vocab[key] = value
     n_vocab = len(vocab["tokenizer.ggml.tokens"])
     d, ff, nh, nkv, hd = (DIMS[k] for k in ("n_embd", "n_ff", "n_head", "n_head_kv", "head_dim"))
     w = GGUFWriter(str(path), arch)
@@ -66,7 +74,8 @@ def write_tiny_gguf(
     if arch == "gemma3":
         meta[f"{arch}.attention.sliding_window"] = sliding_window
     _add_metadata(w, meta)
-    _add_metadata(w, vocab)
+    if with_tokenizer:
+        _add_metadata(w, vocab)
 
     def add(name: str, shape: tuple[int, ...], scale: float, quantize: bool = True, offset: float = 0.0):
         arr = rng.standard_normal(shape) * scale + offset

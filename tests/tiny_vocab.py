@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from spec_cli.chat import BUILTIN_TEMPLATES
-from spec_cli.tokenizer import BYTE_TO_CHAR
+from spec_cli.pretokenize import BYTE_TO_CHAR
 
 # (left, right) in rank order; "Ġ" is the byte-level space, "Ċ" the newline
 MERGES = [

@@ -72,6 +72,7 @@ def parse_request(model: type[M], body: bytes) -> M:
 _UNION_TAGS = {"str", "int", "bool", "float", "list[int]", "list[str]", "list[list[int]]", "list[TextPart]",
                "SpeculativeFields"}
 
+
 class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
@@ -104,15 +105,12 @@ class GenerationFields(Strict):
 
     def to_sampling(self, defaults: SamplingParams) -> SamplingParams:
         """The server's sampling flags, overridden by the fields this request set."""
-        names = {"temperature": "temp", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
-                 "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n",
-                 "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "seed": "seed",
-                 "ignore_eos": "ignore_eos"}
         params = SamplingParams(**vars(defaults))
-        for field, attr in names.items():
-            value = getattr(self, field)
+        for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
+                     "frequency_penalty", "seed", "ignore_eos"):
+            value = getattr(self, name)
             if value is not None:
-                setattr(params, attr, value)
+                setattr(params, "temp" if name == "temperature" else name, value)
         try:
             params.validate()
         except UsageError as e:
@@ -140,8 +138,8 @@ class GenerationFields(Strict):
                 raise ApiError(400, str(e).replace("--spec-type", "speculative.types"), param="speculative.types")
             missing = sorted(types - set(loaded))
             if missing:
-                raise ApiError(400, f"speculative.types {missing} not loaded by this server (loaded: {loaded or 'none'})",
-                               param="speculative.types")
+                raise ApiError(400, f"speculative.types {missing} not loaded by this server "
+                               f"(loaded: {loaded or 'none'})", param="speculative.types")
         elif not loaded:
             raise ApiError(400, "this server was started without speculative decoding (--spec-type / -md)",
                            param="speculative")

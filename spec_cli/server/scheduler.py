@@ -8,6 +8,8 @@ across them). The loop, between generation steps:
      without holding back the others); an unpinned job takes the free slot whose cached tokens share the
      longest prefix with its prompt, else the least recently used one (llama.cpp's slot selection);
   2. prefills each admitted prompt with `gen.start`, reusing that common prefix of the KV cache (`cache_prompt`);
+     the prompt goes in whole, so a long one pauses the other slots meanwhile (llama.cpp interleaves prompt
+     chunks with generation steps);
   3. runs ONE `gen.step()` for every active slot: one batched draft call and one target decode for all of them;
   4. detokenizes each slot's new tokens, applies stop strings, and hands the text to the request's event loop
      with `call_soon_threadsafe`. A disconnected client's task is dropped before the next step.
@@ -25,7 +27,7 @@ import traceback
 from collections import deque
 from dataclasses import dataclass, field
 
-from spec_cli.engine import Engine
+from spec_cli.engine import Engine, build_chain
 from spec_cli.errors import SpecCliError
 from spec_cli.generate import Emitted, Sequence
 from spec_cli.server.task import Completion, Delta, Failure, Job, Task
@@ -61,8 +63,6 @@ class Counters:
     n_tokens_max: int = 0  # the longest sequence seen (prompt + generated)
     n_steps: int = 0  # generation steps (one target decode each)
     busy_slot_steps: int = 0  # sum over steps of the slots that step served
-    requests_done: int = 0
-    requests_cancelled: int = 0
 
 
 class Scheduler:
@@ -114,7 +114,7 @@ class Scheduler:
     def cancel(self, task: Task) -> None:
         """The client is gone: drop a queued task now, an active one before the next step. Idempotent."""
         with self._cond:
-            task.cancelled = True
+            task.cancelled = False
             if task in self._pending:
                 self._pending.remove(task)
             self._cond.notify()
@@ -233,7 +233,6 @@ class Scheduler:
         c.predicted_tokens += n_predicted
         c.predicted_ms += t_gen_ms
         c.n_tokens_max = max(c.n_tokens_max, seq.n_past + 1)
-        c.requests_done += 1
         self._release(slot, seq.tokens)
         task.post(result)
 
@@ -244,7 +243,6 @@ class Scheduler:
                 continue
             seq = self.gen.active[slot.id]
             self.gen.finish(slot.id, "cancelled")
-            self.counters.requests_cancelled += 1
             self._release(slot, seq.tokens)
 
     def _release(self, slot: Slot, cached: list[int] | None = None) -> None:
@@ -263,6 +261,19 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - the thread must survive any bug to keep serving
             traceback.print_exc(file=sys.stderr)
             self._fail_all(Failure(f"internal error: {type(e).__name__}: {e}"), pending=False)
+            self._reset_engine()
+
+    def _reset_engine(self) -> None:
+        """After an unexpected error no cache can be trusted: every slot starts cold (queued jobs still run).
+        The drafter counters carry over, so /metrics totals never go back."""
+        self.engine.reset()
+        if self.engine.chain is not None:
+            stats = self.engine.chain.stats
+            self.engine.chain = build_chain(self.engine)
+            self.engine.chain.stats = stats
+        self.gen = self.engine.generator()
+        for slot in self.slots:
+            slot.cached = []
 
     def _fail_all(self, failure: Failure, pending: bool = True) -> None:
         for slot in self.slots:

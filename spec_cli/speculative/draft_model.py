@@ -83,15 +83,16 @@ class DraftModelDrafter:
         last_row: dict[int, int] = {}
         for p in params:
             history = p.prompt + [p.id_last]
-            if max(history[-1:]) >= self.ctx.config.n_vocab:
-                continue  # a token outside a smaller draft vocabulary: no draft for this sequence
             cached = self._synced(p.seq)
             start = 0
             while start < min(len(cached), p.pos0) and cached[start] == history[start]:
                 start += 1
+            todo = history[start : p.pos0 + 1]  # catch-up rows (usually just id_last)
+            if max(todo) >= self.ctx.config.n_vocab:
+                continue  # a token outside a smaller draft vocabulary: no draft for this sequence
             self._trim(p.seq, start)
-            for pos in range(start, p.pos0 + 1):
-                batch.add(history[pos], pos, p.seq, pos == p.pos0)
+            for pos, tok in enumerate(todo, start):
+                batch.add(tok, pos, p.seq, pos == p.pos0)
             last_row[p.seq] = len(batch) - 1
         active = {p.seq: p for p in params if p.seq in last_row}
         logits = self._decode(batch) if len(batch) else None

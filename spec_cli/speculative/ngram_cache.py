@@ -139,8 +139,11 @@ def save_cache(cache: NgramCache, path: str) -> None:
         out.append(len(part))
         for token, count in part.items():
             out += (token, count)
-    with open(path, "wb") as f:
-        f.write(np.asarray(out, dtype="<i4").tobytes())
+    try:
+        with open(path, "wb") as f:
+            f.write(np.asarray(out, dtype="<i4").tobytes())
+    except OSError as e:
+        raise SpecCliError(f"cannot write n-gram cache {path}: {e.strerror}") from None
 
 
 def merge_caches(target: NgramCache, add: NgramCache) -> None:

@@ -1,0 +1,127 @@
+"""Bad input gets a one-line error and the right exit code (1 runtime, 2 usage), never a traceback."""
+
+from __future__ import annotations
+
+import struct
+import sys
+
+import pytest
+from gguf import GGUFWriter
+
+from spec_cli.cli import main
+from spec_cli.loader import layer_devices
+
+
+def cli(capsys, monkeypatch, *args: str) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", ["spec-cli", *args])
+    with pytest.raises(SystemExit) as exc:
+        main()
+    out, err = capsys.readouterr()
+    return exc.value.code, out, err
+
+
+def assert_one_line_error(code: int, err: str, expected_code: int, *needles: str) -> None:
+    assert code == expected_code, err
+    assert "Traceback" not in err
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert lines and any(all(n in line for n in needles) for line in lines), err
+
+
+def write_gguf_with_unknown_type(path) -> None:
+    """A minimal GGUF by hand: one kv (general.architecture = llama), one tensor of GGML type id 99."""
+
+    def s(text: str) -> bytes:
+        return struct.pack("<Q", len(text)) + text.encode()
+
+    header = b"GGUF" + struct.pack("<IQQ", 3, 1, 1)
+    kv = s("general.architecture") + struct.pack("<I", 8) + s("llama")
+    info = s("token_embd.weight") + struct.pack("<I", 2) + struct.pack("<QQ", 32, 4) + struct.pack("<IQ", 99, 0)
+    body = header + kv + info
+    path.write_bytes(body + b"\0" * (-len(body) % 32) + b"\0" * 4096)
+
+
+def test_not_a_gguf(capsys, monkeypatch, tmp_path):
+    bogus = tmp_path / "model.gguf"
+    bogus.write_text("hello, I am not a model")
+    assert_one_line_error(*cli(capsys, monkeypatch, "run", "-m", str(bogus), "-p", "hi")[::2], 1, "not a GGUF")
+
+
+def test_truncated_gguf(capsys, monkeypatch, tmp_path, tiny_model_path):
+    cut = tmp_path / "cut.gguf"
+    data = tiny_model_path.read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
+    assert_one_line_error(*cli(capsys, monkeypatch, "run", "-m", str(cut), "-p", "hi")[::2], 1, "truncated")
+    cut.write_bytes(data[:100])
+    assert_one_line_error(*cli(capsys, monkeypatch, "run", "-m", str(cut), "-p", "hi")[::2], 1, "truncated")
+
+
+def test_unknown_architecture(capsys, monkeypatch, tmp_path):
+    path = tmp_path / "mamba.gguf"
+    w = GGUFWriter(str(path), "mamba")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert_one_line_error(*cli(capsys, monkeypatch, "run", "-m", str(path), "-p", "hi")[::2], 1,
+                          "unsupported architecture 'mamba'")
+
+
+def test_unknown_block_type(capsys, monkeypatch, tmp_path):
+    path = tmp_path / "weird.gguf"
+    write_gguf_with_unknown_type(path)
+    assert_one_line_error(*cli(capsys, monkeypatch, "run", "-m", str(path), "-p", "hi")[::2], 1, "unknown GGML type")
+
+
+def test_missing_tokenizer(capsys, monkeypatch, tmp_path):
+    from tests.tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "notok.gguf", with_tokenizer=False)
+    assert_one_line_error(*cli(capsys, monkeypatch, "run", "-m", str(path), "-p", "hi")[::2], 1, "tokenizer")
+
+
+def test_prompt_longer_than_context(capsys, monkeypatch, tiny_model_path):
+    code, _, err = cli(capsys, monkeypatch, "run", "-m", str(tiny_model_path), "-p", "word " * 200, "-c", "64", "-n", "4")
+    assert_one_line_error(code, err, 1, "prompt is too long")
+
+
+def test_unknown_model_name(capsys, monkeypatch):
+    code, _, err = cli(capsys, monkeypatch, "run", "-m", "llama-9000", "-p", "hi")
+    assert_one_line_error(code, err, 1, "unknown model 'llama-9000'", "smollm2-135m")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--temp", "abc"], "temp"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--spec-type", "ngram-bogus"], "unknown --spec-type"),
+    (["--draft-p-min", "2"], "--draft-p-min"),
+    (["--spec-verify", "maybe"], "--spec-verify"),
+    (["-c", "-5"], "-c"),
+    (["--dtype", "int3"], "--dtype"),
+    (["--spec-type", "draft-simple"], "draft model"),
+    (["--no-such-flag"], "No such option"),
+])
+def test_bad_flag_values_are_usage_errors(capsys, monkeypatch, tiny_model_path, args, needle):
+    code, _, err = cli(capsys, monkeypatch, "run", "-m", str(tiny_model_path), "-p", "hi", "-n", "2", *args)
+    assert_one_line_error(code, err, 2, needle)
+
+
+def test_incompatible_draft_vocabulary(capsys, monkeypatch, tmp_path, tiny_model_path):
+    from tests.tiny_gguf import write_tiny_gguf
+
+    other = write_tiny_gguf(tmp_path / "othervocab.gguf", vocab_changes={"tokenizer.ggml.pre": "default",
+                                                                          "rename_token": 100})
+    code, _, err = cli(capsys, monkeypatch, "speculative-simple", "-m", str(tiny_model_path), "-md", str(other),
+                       "-p", "hi", "-n", "2")
+    assert_one_line_error(code, err, 1, "not compatible", "token 100")
+
+
+def test_ngl_offloads_the_last_layers_like_llamacpp():
+    import torch
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert layer_devices(4, cpu, 2) == ([cpu] * 4, cpu)  # no GPU: -ngl is ignored
+    assert layer_devices(4, cuda, -1) == ([cuda] * 4, cuda)
+    assert layer_devices(4, cuda, 2) == ([cpu, cpu, cuda, cuda], cpu)
+    assert layer_devices(4, cuda, 5) == ([cuda] * 4, cuda)  # n_layer + 1 also moves the output layer
+    assert layer_devices(4, cuda, 0) == ([cpu] * 4, cpu)
