@@ -9,7 +9,17 @@ import torch
 
 from tests.tiny_gguf import write_tiny_gguf
 
-torch.set_num_threads(2)
+# Tiny models run fastest single-threaded (and a second thread only spins when the machine is busy);
+# the real-model tests ask for two (tests/test_parity.py).
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def two_threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,8 @@ from spec_cli.loader import load_model
 from spec_cli.mtp import MTPContext, load_mtp_head
 from spec_cli.mtp_train import TrainConfig, head_forward, train
 from spec_cli.sampling import SamplingParams
-from spec_cli.speculative.base import SpecParams
+from spec_cli.speculative.base import DraftParams, SpecParams
+from spec_cli.speculative import mtp as mtp_drafter
 from spec_cli.speculative.chain import Chain
 from spec_cli.speculative.mtp import MTPDrafter
 from spec_cli.speculative.registry import NGRAM_DRAFTERS
@@ -144,7 +145,10 @@ def record_drafts(engine):
 
 
 @pytest.mark.parametrize("n_seq", [1, 4])
-def test_drafts_follow_the_shifted_hidden_states(mtp_path, n_seq):
+@pytest.mark.parametrize("defer_max", [mtp_drafter.DEFER_MAX, 0])
+def test_drafts_follow_the_shifted_hidden_states(mtp_path, monkeypatch, n_seq, defer_max):
+    """defer_max 0: head rows are decoded in process() itself, verify rows included, and trimmed by accept()."""
+    monkeypatch.setattr(mtp_drafter, "DEFER_MAX", defer_max)
     engine = make_engine(mtp_path, "draft-mtp", n_seq=n_seq)
     calls = record_drafts(engine)
     _, seqs = run_all(engine, PROMPTS[:n_seq])
@@ -152,7 +156,7 @@ def test_drafts_follow_the_shifted_hidden_states(mtp_path, n_seq):
     assert 0 < stats.n_acc_tokens < stats.n_gen_tokens, "needs partial acceptance to exercise the rollback"
     head, lm = engine.chain.drafters[-1].ctx.head, engine.target
     wrong_shift_differs = False
-    for prompt, id_last, drafted in calls[:12]:
+    for prompt, id_last, drafted in calls[:8]:
         assert drafted == reference_draft(head, lm, prompt, id_last, len(drafted))
         wrong_shift_differs |= drafted != reference_draft(head, lm, prompt, id_last, len(drafted), shift=2)
     assert wrong_shift_differs, "a head reading h_{p-2} drafts the same: the test could not see a wrong shift"
@@ -165,8 +169,6 @@ def test_partial_acceptance_keeps_committed_state_only(mtp_path):
     engine.reset()
     gen = engine.generator()
     id_last = gen.start(0, prompt, GREEDY, N_PREDICT).tokens[0]
-    from spec_cli.speculative.base import DraftParams
-
     p = DraftParams(0, 3, len(prompt), id_last, list(prompt))
     drafter.draft([p])
     assert len(p.result) == 3

@@ -25,7 +25,7 @@ from tests.real_models import real_model, reference
 CLEAR_MARGIN = 0.25  # llama.cpp logit margin above which we must pick llama.cpp's token
 NEAR_TIE = 0.25  # our own margin for a tolerated disagreement
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("two_threads")]
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])

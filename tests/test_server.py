@@ -7,6 +7,10 @@ OpenAI's shape and the server keeps answering."""
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
+import time
 
 import httpx
 import openai
@@ -358,11 +362,6 @@ def test_api_key_guards_every_route_but_health(locked):
 # --- the command line -------------------------------------------------------------------------------------------------
 
 def test_cli_server_command(tiny_model_path):
-    import socket
-    import subprocess
-    import sys
-    import time
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -395,9 +394,6 @@ def test_cli_server_command(tiny_model_path):
 
 
 def test_cli_server_rejects_bad_flags():
-    import subprocess
-    import sys
-
     r = subprocess.run([sys.executable, "-m", "spec_cli", "server", "-np", "0"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "-np" in r.stderr

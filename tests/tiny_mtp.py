@@ -20,6 +20,7 @@ from tests.tiny_gguf import write_tiny_gguf
 
 def write_tiny_mtp_gguf(path: Path, seed: int = 0, hidden_scale: float = 0.5, own_embed: bool = False,
                         own_head_norm: bool = True) -> Path:
+    """The model without the head is written next to `path` as <stem>-base.gguf."""
     path = Path(path)
     base = write_tiny_gguf(path.with_name(path.stem + "-base.gguf"), arch="llama", seed=seed, n_layer=1)
     gf = GGUFFile(base)

@@ -114,7 +114,7 @@ def columns(rows: list[dict]) -> list[str]:
                 + (SPEC_FIELDS if has_spec else ()) + (VERIFY_FIELDS if has_verify else ()) + RESULT_FIELDS)
 
 
-def test_name(row: dict) -> str:
+def row_label(row: dict) -> str:
     """llama-bench's test column: pp512, tg128, pp512+tg128, ` @ d<depth>`; spec rows by prompt set, verify by k."""
     kind, n_prompt, n_gen, depth = row["test"], row["n_prompt"], row["n_gen"], row["n_depth"]
     if kind == "spec":

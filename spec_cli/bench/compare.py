@@ -18,7 +18,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from spec_cli.bench import KEY_FIELDS, test_name
+from spec_cli.bench import KEY_FIELDS, row_label
 from spec_cli.errors import SpecCliError
 
 
@@ -87,7 +87,7 @@ def has_regression(rows: list[RowComparison]) -> bool:
 
 
 def _name(r: dict) -> str:
-    name = f"{Path(r.get('model_filename') or '?').name} {test_name(r)}"
+    name = f"{Path(r.get('model_filename') or '?').name} {row_label(r)}"
     if r["test"] == "spec":
         name += f" {r['spec_type']}" + (f" dmax{r['draft_max']}" if r["spec_type"] != "none" else "")
         name += f" temp{r['temp']:g}" if r.get("temp") else ""

@@ -83,9 +83,10 @@ def _acceptance(ax, series, _plain, _verify) -> None:
         rates = rs[-1]["acc_per_pos"]  # the longest draft length of this series
         xs = [p + 1 + (i - (n - 1) / 2) * width for p in range(len(rates))]
         ax.bar(xs, rates, width=width, label=f"{label} dmax {rs[-1]['draft_max']}")
-    ax.set(xlabel="draft position", ylabel="acceptance rate (per generated draft)", ylim=(0, 1.05),
+    ax.set(xlabel="draft position", ylabel="acceptance rate (per generated draft)", ylim=(0, 1.3),
            title="acceptance per position")
-    ax.legend(fontsize=7)
+    ax.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
+    ax.legend(fontsize=7, loc="upper right")  # above the bars: the axis reaches 1.3
 
 
 def _verify(ax, _series, _plain, verify) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from spec_cli.bench import BOOL_FIELDS, FLOAT_FIELDS, INT_FIELDS, LIST_FIELDS, columns, test_name
+from spec_cli.bench import BOOL_FIELDS, FLOAT_FIELDS, INT_FIELDS, LIST_FIELDS, columns, row_label
 
 SQL_TABLE = "spec_bench"
 # md: parameter -> (display name, width: negative = left-aligned); defaults decide which columns show
@@ -84,7 +84,7 @@ def _pm(mean: float, sd: float) -> str:
 def _random_table(rows: list[dict]):
     extra = _engine_cols(rows)
     cols = _MODEL_COLS + [_MD_PARAMS[f] for f in extra] + [("test", 15), ("t/s", 20)]
-    cells = [_model_cells(r) + [str(r[f]) for f in extra] + [test_name(r), _pm(r["avg_ts"], r["stddev_ts"])]
+    cells = [_model_cells(r) + [str(r[f]) for f in extra] + [row_label(r), _pm(r["avg_ts"], r["stddev_ts"])]
              for r in rows]
     return cols, cells
 
@@ -98,7 +98,7 @@ def _verify_table(rows: list[dict]):
     for r in rows:
         acc = r["break_even_acc"]
         cells.append([r["model_type"], r["backends"], r["device"], r["dtype"]] + [str(r[f]) for f in extra] + [
-            test_name(r), _pm(r["avg_ns"] / 1e6, r["stddev_ns"] / 1e6), _pm(r["avg_ts"], r["stddev_ts"]),
+            row_label(r), _pm(r["avg_ns"] / 1e6, r["stddev_ns"] / 1e6), _pm(r["avg_ts"], r["stddev_ts"]),
             f"{r['cost_ratio']:.2f}", f"{r['break_even_len']:.2f}", "-" if acc is None else f"{acc:.2f}"])
     return cols, cells
 
@@ -118,7 +118,7 @@ def _spec_table(rows: list[dict]):
         pos = " ".join(f"{a:.2f}" for a in r["acc_per_pos"][:4]) + (" …" if len(r["acc_per_pos"]) > 4 else "")
         cells.append(
             [r["model_type"], r["backends"], r["device"], r["dtype"]] + [str(r[f]) for f in extra]
-            + [test_name(r), r["spec_type"]] + [_md_value(r, f, plain) for f in optional]
+            + [row_label(r), r["spec_type"]] + [_md_value(r, f, plain) for f in optional]
             + ["-" if plain else str(r["draft_max"]), "-" if plain else f"{r['acceptance']:.1f}",
                "-" if plain else f"{r['mean_acc_len']:.2f}", "-" if plain else pos, _pm(r["avg_ts"], r["stddev_ts"]),
                "-" if r["speedup"] is None else f"{r['speedup']:.2f}"])

@@ -41,7 +41,7 @@ import torch
 
 import spec_cli
 from spec_cli.batch import Batch
-from spec_cli.bench import Result, test_name
+from spec_cli.bench import Result, row_label
 from spec_cli.bench.params import BenchParams, Instance, Test, instances
 from spec_cli.bench.prompts import PromptSet, load_prompt_set, render_tokens
 from spec_cli.bench.verify_cost import curve, time_forwards
@@ -199,7 +199,7 @@ def run_bench(params: BenchParams, on_test: Callable[[int, int, str], None] | No
 
 def _describe(inst: Instance) -> str:
     t = inst.test
-    name = test_name({"test": t.kind, **t.__dict__})
+    name = row_label({"test": t.kind, **t.__dict__})
     if t.kind == "verify":
         name = f"verify k1-{t.verify_k}" + (f" @ d{t.n_depth}" if t.n_depth else "")
     elif t.kind == "spec":
@@ -221,7 +221,7 @@ def _now() -> str:
 
 
 def _summary(row: Result) -> str:
-    return (f"{row.test} {test_name(row.to_dict())}: {row.avg_ts:.2f} ± {row.stddev_ts:.2f} t/s "
+    return (f"{row.test} {row_label(row.to_dict())}: {row.avg_ts:.2f} ± {row.stddev_ts:.2f} t/s "
             f"({len(row.samples_ns)} samples)")
 
 

@@ -114,7 +114,7 @@ class Scheduler:
     def cancel(self, task: Task) -> None:
         """The client is gone: drop a queued task now, an active one before the next step. Idempotent."""
         with self._cond:
-            task.cancelled = False
+            task.cancelled = True
             if task in self._pending:
                 self._pending.remove(task)
             self._cond.notify()
