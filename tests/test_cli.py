@@ -1,0 +1,92 @@
+"""The generating commands end to end on the tiny model: flags in --help, streamed text, JSON and llama.cpp-style
+statistics, chat mode, and speculation that does not change greedy output."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from spec_cli.cli import main
+
+PROMPT = "abc abc abc abc abc abc abc abc"
+
+
+def cli(capsys, monkeypatch, *args: str) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", ["spec-cli", *args])
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("command, flags", [
+    ("run", ["-m", "-p", "-f", "-n", "-c", "-b", "-ub", "-t", "-ngl", "-dev", "-s", "--temp", "--top-k", "--top-p",
+             "--min-p", "--repeat-penalty", "--repeat-last-n", "--ignore-eos", "--dtype", "-cnv", "--spec-type", "-md"]),
+    ("speculative-simple", ["-md", "-ngld", "-devd", "-cd", "-td", "--draft-max", "--spec-draft-n-max", "--draft-min",
+                            "--draft-p-min", "--spec-verify", "--spec-ngram-mod-n-match", "-lcs", "-lcd", "--color",
+                            "--log-format", "--json"]),
+])
+def test_help_lists_llamacpp_flags(capsys, monkeypatch, command, flags):
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, _ = cli(capsys, monkeypatch, command, "--help")
+    assert code == 0
+    for flag in flags:
+        assert flag in out, flag
+
+
+def test_run_streams_prompt_then_continuation_and_summary(capsys, monkeypatch, tiny_model_path):
+    code, out, err = cli(capsys, monkeypatch, "run", "-m", str(tiny_model_path), "-p", PROMPT, "-n", "12", "--temp", "0")
+    assert code == 0, err
+    assert out.startswith(PROMPT) and len(out) > len(PROMPT)
+    assert "prompt" in err and "generation" in err
+
+
+def test_speculation_keeps_greedy_output_through_the_cli(capsys, monkeypatch, tiny_model_path, tiny_draft_path):
+    base = ["-m", str(tiny_model_path), "-p", PROMPT, "-n", "24", "--temp", "0", "--json"]
+    code, out, err = cli(capsys, monkeypatch, "run", *base)
+    assert code == 0, err
+    plain = json.loads(out)
+    code, out, err = cli(capsys, monkeypatch, "speculative-simple", *base, "-md", str(tiny_draft_path),
+                         "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2", "--draft-p-min", "0")
+    assert code == 0, err
+    spec = json.loads(out)
+    assert spec["content"] == plain["content"]
+    assert spec["predicted_n"] == plain["predicted_n"] == 24
+    names = [d["name"] for d in spec["drafters"]]
+    assert names == ["ngram-simple", "draft-simple"]  # llama.cpp's priority order, -md alone added draft-simple
+    assert spec["n_accept"] <= spec["n_drafted"] and spec["n_drafted"] > 0
+    assert sum(d["n_acc_tokens"] for d in spec["drafters"]) == spec["n_accept"]
+
+
+def test_llamacpp_text_log(capsys, monkeypatch, tiny_model_path):
+    code, out, err = cli(capsys, monkeypatch, "speculative-simple", "-m", str(tiny_model_path), "-p", PROMPT, "-n", "16",
+                         "--temp", "0", "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2",
+                         "--log-format", "text")
+    assert code == 0, err
+    for line in ("encoded", "decoded", "n_draft   = 16", "n_predict = 16", "n_drafted =", "n_accept  =", "accept    =",
+                 "statistics     ngram-simple: #calls(b,g,a) ="):
+        assert line in err, line
+
+
+def test_chat_mode_applies_the_template(capsys, monkeypatch, tiny_model_path):
+    code, out, err = cli(capsys, monkeypatch, "run", "-m", str(tiny_model_path), "-p", "hello", "-cnv", "-n", "4",
+                         "--temp", "0", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["prompt_n"] > len("hello")  # <|im_start|>user ... <|im_start|>assistant
+
+
+def test_prompt_from_file(capsys, monkeypatch, tmp_path, tiny_model_path):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text(PROMPT)
+    code, out, err = cli(capsys, monkeypatch, "run", "-m", str(tiny_model_path), "-f", str(prompt), "-n", "3",
+                         "--temp", "0", "--json")
+    assert code == 0, err
+    assert json.loads(out)["predicted_n"] == 3
+    code, _, err = cli(capsys, monkeypatch, "run", "-m", str(tiny_model_path), "-f", str(prompt), "-p", "x")
+    assert code == 2 and "not both" in err
