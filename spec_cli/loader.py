@@ -18,7 +18,8 @@ from torch import nn
 from spec_cli.config import ModelConfig
 from spec_cli.errors import SpecCliError, UsageError
 from spec_cli.gguf_file import GGUFFile
-from spec_cli.model import Transformer
+from spec_cli.model import Linear, Transformer
+from spec_cli.qlinear import quantized_linear, supports
 from spec_cli.quants import load_tensor
 
 # GGUF block tensor suffix -> attribute path inside model.Block
@@ -96,14 +97,31 @@ def _set_param(module: nn.Module, path: str, tensor: torch.Tensor) -> None:
     setattr(module, leaf, nn.Parameter(tensor, requires_grad=False))
 
 
+def _set_quantized(module: nn.Module, path: str, gf: GGUFFile, name: str) -> bool:
+    """`--dtype q`: put a quantized module (qlinear.py) in place of the Linear whose weight is `path`, if the
+    tensor's block type has one; its bias, loaded before or after, stays a float parameter."""
+    info = gf.tensors[name]
+    *parents, leaf = path.split(".")
+    for p in parents[:-1]:
+        module = getattr(module, p)
+    old = getattr(module, parents[-1])
+    if leaf != "weight" or not isinstance(old, Linear) or not supports(info.qtype, info.shape):
+        return False
+    setattr(module, parents[-1], quantized_linear(gf.tensor_bytes(name), info.qtype, info.shape, old.bias))
+    return True
+
+
 def load_model(
     path: str | Path, device: str | None = "auto", n_gpu_layers: int = -1, dtype: str = "auto"
 ) -> LoadedModel:
+    """`dtype` "q" keeps the weights of CPU-resident linear layers quantized (qlinear.py), activations float32;
+    layers on a GPU then take the float dtype `auto` gives there."""
     t0 = time.perf_counter()
     gf = GGUFFile(path)
     cfg = ModelConfig.from_gguf(gf)
     main_device = parse_device(device)
-    torch_dtype = parse_dtype(dtype, main_device)
+    quantize = dtype == "q"
+    torch_dtype = parse_dtype("auto" if quantize else dtype, main_device)
     with torch.device("meta"):
         model = Transformer(cfg)
     model.dtype = torch_dtype
@@ -123,6 +141,8 @@ def load_model(
             if suffix not in _BLOCK_NAMES:
                 raise SpecCliError(f"{gf.path.name}: unsupported tensor {name} for architecture {cfg.arch}")
             dev = model.layer_devices[layer]
+            if quantize and dev.type == "cpu" and _set_quantized(model.layers[layer], _BLOCK_NAMES[suffix], gf, name):
+                continue
             is_norm = suffix.endswith("norm.weight") or suffix.endswith(".bias")
             _set_param(model.layers[layer], _BLOCK_NAMES[suffix], fetch(name, dev, keep_dtype=is_norm))
         elif name == "token_embd.weight":
@@ -130,16 +150,22 @@ def load_model(
         elif name == "output_norm.weight":
             _set_param(model, "norm.weight", fetch(name, model.output_device, keep_dtype=True))
         elif name == "output.weight":
-            _set_param(model, "output.weight", fetch(name, model.output_device))
+            _set_output(model, gf, name, quantize, fetch)
         else:
             raise SpecCliError(f"{gf.path.name}: unsupported tensor {name} for architecture {cfg.arch}")
     if cfg.tied_output:
-        _set_param(model, "output.weight", fetch("token_embd.weight", model.output_device))
+        _set_output(model, gf, "token_embd.weight", quantize, fetch)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise SpecCliError(f"{gf.path.name}: missing tensors for {', '.join(missing[:5])}")
     model.eval()
     return LoadedModel(model, cfg, gf, (time.perf_counter() - t0) * 1000)
+
+
+def _set_output(model: Transformer, gf: GGUFFile, name: str, quantize: bool, fetch) -> None:
+    if quantize and model.output_device.type == "cpu" and _set_quantized(model, "output.weight", gf, name):
+        return
+    _set_param(model, "output.weight", fetch(name, model.output_device))
 
 
 def _load_embedding(model: Transformer, gf: GGUFFile, device: torch.device, dtype: torch.dtype) -> None:

@@ -21,6 +21,7 @@ checkpoint; training steps then only run the head.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import random
 import sysconfig
@@ -45,6 +46,15 @@ from spec_cli.tokenizer import Tokenizer
 
 HELD_OUT_MOD = 10  # one file in ten (by name hash) is held out
 TOP_K = 8  # target candidates kept per position for the KL term
+# requests the target answers about training snippets (its own generations in chat form); written for this tool
+GEN_REQUESTS = (
+    "Explain what this does, step by step.",
+    "Rewrite this with clearer names and comments. Return the complete code.",
+    "Continue this.",
+    "Summarize this in a few sentences, then list its main points.",
+    "Write unit tests for this.",
+    "Point out possible bugs in this and return a corrected version.",
+)
 
 
 @dataclass
@@ -86,14 +96,38 @@ ProgressFn = Callable[[Progress], None]
 # --- data ---------------------------------------------------------------------------------------------------
 
 
+def prompt_set_files() -> set[Path]:
+    """Standard-library files quoted by the built-in prompt sets ({{source:...}} / {{doc:...}}): never trained on,
+    so acceptance measured on those sets is measured on unseen text."""
+    from spec_cli.bench.prompts import _PLACEHOLDER, BUILTIN_DIR
+
+    files = set()
+    for path in sorted(BUILTIN_DIR.glob("*.jsonl")):
+        for _, dotted in _PLACEHOLDER.findall(path.read_text(encoding="utf-8")):
+            parts = dotted.split(".")
+            for i in range(len(parts), 0, -1):  # the longest module prefix defines the file
+                try:
+                    spec = importlib.util.find_spec(".".join(parts[:i]))
+                except (ImportError, ValueError):
+                    continue
+                if spec is not None and spec.origin and spec.origin.endswith(".py"):
+                    files.add(Path(spec.origin).resolve())
+                    break
+    return files
+
+
 def stdlib_documents() -> list[tuple[str, str]]:
-    """(name, text) of the standard library's .py sources (tests excluded) and of its pydoc topics, sorted."""
+    """(name, text) of the standard library's .py sources (tests and prompt-set sources excluded) and of its
+    pydoc topics, sorted."""
     root = Path(sysconfig.get_paths()["stdlib"])
+    excluded = prompt_set_files()
     docs = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
         parts = rel.split("/")[:-1]
         if parts and parts[0] == "site-packages" or {"test", "tests", "idle_test"} & set(parts):
+            continue
+        if path.resolve() in excluded:
             continue
         try:
             docs.append((rel, path.read_text(encoding="utf-8")))
@@ -129,6 +163,27 @@ def token_windows(tokenizer: Tokenizer, docs: list[tuple[str, str]], seq_len: in
         raise SpecCliError(f"only {len(windows)} windows of {seq_len} tokens in the corpus, {n_windows} needed")
     rng.shuffle(windows)
     return torch.tensor(windows[:n_windows], dtype=torch.long)
+
+
+def generation_prompts(tokenizer: Tokenizer, snippets: torch.Tensor, length: int) -> torch.Tensor:
+    """[N, length] prompts for the target's own generations. With a chat template: a request about a snippet
+    (rotating through GEN_REQUESTS), rendered as the model's chat, the snippet cut to fit; without: the snippet's
+    first `length` tokens to continue."""
+    if not tokenizer.chat_template:
+        return snippets[:, :length]
+    mark = "\x00SNIPPET\x00"
+    prompts = []
+    for i, snippet in enumerate(snippets.tolist()):
+        content = GEN_REQUESTS[i % len(GEN_REQUESTS)] + "\n\n" + mark
+        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], True)
+        before, after = text.split(mark)
+        head = tokenizer.encode(before, add_special=True, parse_special=True)
+        tail = tokenizer.encode(after, add_special=False, parse_special=True)
+        n_snippet = length - len(head) - len(tail)
+        if n_snippet < length // 4:  # a long chat preamble would leave nothing to talk about
+            return snippets[:, :length]
+        prompts.append(head + snippet[:n_snippet] + tail)
+    return torch.tensor(prompts, dtype=torch.long)
 
 
 def greedy_continuations(loaded: LoadedModel, prompts: torch.Tensor, n_new: int, progress: ProgressFn | None = None,
@@ -359,8 +414,8 @@ def build_data(loaded: LoadedModel, cfg: TrainConfig, progress: ProgressFn | Non
     text = token_windows(tokenizer, train_docs, T, n_text + n_gen, rng)
     held = token_windows(tokenizer, held_docs, T, max(1, cfg.eval_tokens // T), rng)
     if n_gen:
-        prompts = text[n_text:, : T // 4]
-        gen = greedy_continuations(loaded, prompts, T - T // 4, progress)
+        prompts = generation_prompts(tokenizer, text[n_text:], T // 2)
+        gen = greedy_continuations(loaded, prompts, T - T // 2, progress)
         text = torch.cat((text[:n_text], gen))
     feats = target_features(loaded.model, text, cfg.batch, progress, "features")
     held_feats = target_features(loaded.model, held, cfg.batch, progress, "eval-features")

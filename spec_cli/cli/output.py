@@ -28,28 +28,42 @@ def run_table(d: dict) -> Table:
 
 
 def speculation_table(d: dict) -> Table:
-    t = Table(title="speculation", title_justify="left", header_style="bold")
-    for col in ("n_draft", "n_predict", "n_drafted", "n_accept", "accept %", "steps", "mean acc len",
-                "draft ms", "verify ms", "accept ms"):
-        t.add_column(col, justify="right")
+    """Field / value rows: readable at any terminal width (and in logs, where rich assumes 80 columns)."""
+    t = Table(title="speculation", title_justify="left", show_header=False)
+    t.add_column("field", style="bold")
+    t.add_column("value", justify="right")
     split = d["time_split_ms"]
-    t.add_row(str(d["n_draft"]), str(d["predicted_n"]), str(d["n_drafted"]), str(d["n_accept"]),
-              f"{d['accept']:.3f}", str(d["n_steps"]), f"{d['mean_acc_len']:.2f}", f"{split['draft']:.1f}",
-              f"{split['verify']:.1f}", f"{split['accept']:.1f}")
+    for field, value in (
+        ("n_draft", d["n_draft"]), ("n_predict", d["predicted_n"]), ("n_drafted", d["n_drafted"]),
+        ("n_accept", d["n_accept"]), ("accept %", f"{d['accept']:.3f}"), ("verify steps", d["n_steps"]),
+        ("mean acceptance length", f"{d['mean_acc_len']:.2f}"),
+        ("time draft / verify / accept ms", f"{split['draft']:.1f} / {split['verify']:.1f} / {split['accept']:.1f}"),
+    ):
+        t.add_row(field, str(value))
     return t
 
 
 def drafter_table(drafters: list[dict]) -> Table:
+    """One column per drafter, llama.cpp's counters as rows."""
     t = Table(title="drafters", title_justify="left", header_style="bold")
-    for col in ("type", "calls b/g/a", "gen drafts", "acc drafts", "gen tokens", "acc tokens", "acc %",
-                "mean acc len", "acc rate/pos", "begin/draft/accept ms"):
-        t.add_column(col, justify="left" if col in ("type", "acc rate/pos") else "right")
+    t.add_column("")
     for s in drafters:
-        rates = " ".join(f"{r:.2f}" for r in s["acc_rate_per_pos"][:8]) + (" …" if len(s["acc_rate_per_pos"]) > 8 else "")
-        t.add_row(s["name"], f"{s['n_call_begin']}/{s['n_call_draft']}/{s['n_call_accept']}", str(s["n_gen_drafts"]),
-                  str(s["n_acc_drafts"]), str(s["n_gen_tokens"]), str(s["n_acc_tokens"]),
-                  f"{100 * s['acceptance']:.1f}", f"{s['mean_acc_len']:.2f}", rates,
-                  f"{s['t_begin_us'] / 1e3:.1f}/{s['t_draft_us'] / 1e3:.1f}/{s['t_accept_us'] / 1e3:.1f}")
+        t.add_column(s["name"], justify="right")
+    rows = {
+        "calls begin/draft/accept": lambda s: f"{s['n_call_begin']}/{s['n_call_draft']}/{s['n_call_accept']}",
+        "gen drafts": lambda s: s["n_gen_drafts"],
+        "acc drafts": lambda s: s["n_acc_drafts"],
+        "gen tokens": lambda s: s["n_gen_tokens"],
+        "acc tokens": lambda s: s["n_acc_tokens"],
+        "acceptance %": lambda s: f"{100 * s['acceptance']:.1f}",
+        "mean acceptance length": lambda s: f"{s['mean_acc_len']:.2f}",
+        "acc rate/pos": lambda s: " ".join(f"{r:.2f}" for r in s["acc_rate_per_pos"][:6])
+        + (" …" if len(s["acc_rate_per_pos"]) > 6 else ""),
+        "begin/draft/accept ms": lambda s: f"{s['t_begin_us'] / 1e3:.1f}/{s['t_draft_us'] / 1e3:.1f}/"
+        f"{s['t_accept_us'] / 1e3:.1f}",
+    }
+    for label, value in rows.items():
+        t.add_row(label, *(str(value(s)) for s in drafters))
     return t
 
 
