@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 from typing import Callable
 
 import gguf.quants
@@ -314,8 +313,5 @@ def load_tensor(
     info = gguf_file.tensors.get(name)
     if info is None:
         raise SpecCliError(f"{gguf_file.path.name}: no tensor named {name}")
-    with warnings.catch_warnings():
-        # the memory map is read-only; `dequantize` only reads `raw` and always returns a new tensor
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        raw = torch.frombuffer(gguf_file.data(name), dtype=torch.uint8)
+    raw = gguf_file.tensor_bytes(name)  # a view of the read-only memory map; `dequantize` only reads it
     return dequantize(raw.to(device), info.qtype, info.shape, dtype)

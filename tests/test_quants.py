@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import gguf.quants
 import numpy as np
@@ -15,6 +14,7 @@ from spec_cli import quants
 from spec_cli.errors import SpecCliError
 from spec_cli.gguf_file import GGUFFile
 from spec_cli.quants import SUPPORTED, dequantize, load_tensor
+from tests.real_models import real_model
 
 REQUIRED = {T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K}
 # types `gguf.quants.quantize` can produce, so test data can come from real values
@@ -193,15 +193,11 @@ def test_cuda_matches_cpu(qtype):
 # --- real models -------------------------------------------------------------------------------------------
 
 
-def _real(name: str) -> Path:
-    return Path("/root/.cache/spec-cli/dev") / f"{name}.gguf"
-
-
 @pytest.mark.real_model
 @pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
 def test_real_model_tensors_match_gguf(model):
     # smollm2: Q4_1, Q8_0, F32; gemma3: Q5_0, Q8_0, Q4_K, Q6_K, F32
-    g = GGUFFile(_real(model))
+    g = GGUFFile(real_model(model))
     smallest: dict[T, str] = {}
     for info in sorted(g.tensors.values(), key=lambda i: i.n_bytes):
         smallest.setdefault(info.qtype, info.name)
