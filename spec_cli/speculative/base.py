@@ -72,3 +72,25 @@ class Drafter(Protocol):
     def draft(self, params: list[DraftParams]) -> None: ...
 
     def accept(self, seq: int, n_accepted: int, is_other: bool) -> None: ...
+
+
+class HistoryDrafter:
+    """Base of the drafters that draft each sequence on its own from its token history (the n-gram family):
+    nothing to mirror in `process`, one `draft_one` per drafting sequence, truncated to its per-call cap."""
+
+    def begin(self, seq: int, prompt: list[int]) -> None:
+        pass
+
+    def process(self, batch: Batch) -> None:
+        pass
+
+    def draft(self, params: list[DraftParams]) -> None:
+        for p in params:
+            if p.drafting:
+                p.result = self.draft_one(p)[: max(p.n_max, 0)]
+
+    def draft_one(self, p: DraftParams) -> list[int]:
+        raise NotImplementedError
+
+    def accept(self, seq: int, n_accepted: int, is_other: bool) -> None:
+        pass

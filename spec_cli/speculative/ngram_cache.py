@@ -14,9 +14,8 @@ import time
 
 import numpy as np
 
-from spec_cli.batch import Batch
 from spec_cli.errors import SpecCliError
-from spec_cli.speculative.base import DraftParams, SpecParams
+from spec_cli.speculative.base import DraftParams, HistoryDrafter, SpecParams
 
 NGRAM_MIN = 1  # LLAMA_NGRAM_MIN
 NGRAM_MAX = 4  # LLAMA_NGRAM_MAX
@@ -210,7 +209,7 @@ def lookup_stats(
     }
 
 
-class NgramCacheDrafter:
+class NgramCacheDrafter(HistoryDrafter):
     name = "ngram-cache"
 
     def __init__(self, params: SpecParams, n_seq: int) -> None:
@@ -230,15 +229,7 @@ class NgramCacheDrafter:
         ngram_cache_update(self.contexts[seq], NGRAM_MIN, NGRAM_MAX, prompt, len(prompt))
         self.n_indexed[seq] = len(prompt)
 
-    def process(self, batch: Batch) -> None:
-        pass
-
-    def draft(self, params: list[DraftParams]) -> None:
-        for p in params:
-            if p.drafting:
-                p.result = self._draft_one(p)
-
-    def _draft_one(self, p: DraftParams) -> list[int]:
+    def draft_one(self, p: DraftParams) -> list[int]:
         context = self.contexts[p.seq]
         size = len(p.prompt) + 1  # the history ends with id_last
         if size < self.n_indexed[p.seq]:  # shrank without a begin: count it again from scratch

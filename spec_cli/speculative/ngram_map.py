@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from spec_cli.batch import Batch
-from spec_cli.speculative.base import DraftParams, SpecParams
+from spec_cli.speculative.base import DraftParams, HistoryDrafter, SpecParams
 
 LCG_FACTOR = 2654435761  # Knuth's multiplicative constant; the hash runs in uint32 arithmetic
 HASH_MAP_SIZE = 262144  # COMMON_NGRAM_HASH_MAP_SIZE
@@ -203,7 +202,7 @@ class NgramMap:
             self.last_value.n_accepted = n_accepted
 
 
-class _NgramMapDrafter:
+class _NgramMapDrafter(HistoryDrafter):
     name: str
     key_only: bool
 
@@ -218,13 +217,8 @@ class _NgramMapDrafter:
     def begin(self, seq: int, prompt: list[int]) -> None:
         self.maps[seq].begin(prompt)
 
-    def process(self, batch: Batch) -> None:
-        pass
-
-    def draft(self, params: list[DraftParams]) -> None:
-        for p in params:
-            if p.drafting:
-                p.result = self.maps[p.seq].draft(p.prompt, p.id_last)[: max(p.n_max, 0)]
+    def draft_one(self, p: DraftParams) -> list[int]:
+        return self.maps[p.seq].draft(p.prompt, p.id_last)
 
     def accept(self, seq: int, n_accepted: int, is_other: bool) -> None:
         if not is_other:

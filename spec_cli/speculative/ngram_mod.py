@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from spec_cli.batch import Batch
-from spec_cli.speculative.base import DraftParams, SpecParams
+from spec_cli.speculative.base import DraftParams, HistoryDrafter, SpecParams
 
 POOL_SIZE = 4 * 1024 * 1024
 EMPTY = -1
@@ -76,7 +75,7 @@ class NgramPool:
         return out
 
 
-class NgramModDrafter:
+class NgramModDrafter(HistoryDrafter):
     name = "ngram-mod"
 
     def __init__(self, params: SpecParams, n_seq: int) -> None:
@@ -100,15 +99,7 @@ class NgramModDrafter:
         if self.pool.used / self.pool.size > FILL_RESET:
             self.pool.reset()
 
-    def process(self, batch: Batch) -> None:
-        pass
-
-    def draft(self, params: list[DraftParams]) -> None:
-        for p in params:
-            if p.drafting:
-                p.result = self._draft_one(p)
-
-    def _draft_one(self, p: DraftParams) -> list[int]:
+    def draft_one(self, p: DraftParams) -> list[int]:
         seq, n = p.seq, self.pool.n
         self.n_draft_last[seq] = 0
         cur_len = len(p.prompt)

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from spec_cli.batch import Batch
-from spec_cli.speculative.base import DraftParams, SpecParams
+from spec_cli.speculative.base import DraftParams, HistoryDrafter, SpecParams
 
 
 def ngram_simple_draft(prompt: list[int], id_last: int, size_n: int, size_m: int) -> list[int]:
@@ -42,7 +41,7 @@ def ngram_simple_draft(prompt: list[int], id_last: int, size_n: int, size_m: int
     return prompt[j + n : j + n + copy_max]
 
 
-class NgramSimpleDrafter:
+class NgramSimpleDrafter(HistoryDrafter):
     name = "ngram-simple"
 
     def __init__(self, params: SpecParams, n_seq: int) -> None:
@@ -51,17 +50,5 @@ class NgramSimpleDrafter:
         self.size_m = params.ngram_simple_size_m
         self.n_seq = n_seq
 
-    def begin(self, seq: int, prompt: list[int]) -> None:
-        pass
-
-    def process(self, batch: Batch) -> None:
-        pass
-
-    def draft(self, params: list[DraftParams]) -> None:
-        for p in params:
-            if p.drafting:
-                draft = ngram_simple_draft(p.prompt, p.id_last, self.size_n, self.size_m)
-                p.result = draft[: max(p.n_max, 0)]
-
-    def accept(self, seq: int, n_accepted: int, is_other: bool) -> None:
-        pass
+    def draft_one(self, p: DraftParams) -> list[int]:
+        return ngram_simple_draft(p.prompt, p.id_last, self.size_n, self.size_m)
