@@ -19,7 +19,7 @@ from spec_cli.config import ModelConfig
 from spec_cli.errors import SpecCliError, UsageError
 from spec_cli.gguf_file import GGUFFile
 from spec_cli.model import Linear, Transformer
-from spec_cli.qlinear import quantized_linear, supports
+from spec_cli.qlinear import fuse_projections, quantized_linear, supports
 from spec_cli.quants import load_tensor
 
 # GGUF block tensor suffix -> attribute path inside model.Block
@@ -158,6 +158,8 @@ def load_model(
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise SpecCliError(f"{gf.path.name}: missing tensors for {', '.join(missing[:5])}")
+    if quantize:
+        fuse_projections(model)
     model.eval()
     return LoadedModel(model, cfg, gf, (time.perf_counter() - t0) * 1000)
 

@@ -87,14 +87,16 @@ class Attention(nn.Module):
         self.wo = Linear(cfg.n_head * hd, d)
         self.q_norm = RMSNorm(hd, cfg.rms_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_eps) if cfg.qk_norm else None
+        self.qkv: nn.Module | None = None  # x -> (q, k, v) in one product, set in place of wq/wk/wv by qlinear
 
     def forward(self, x, plan: ForwardPlan, rope, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         # x [G, T, D]; k_cache/v_cache [n_seq, kv_heads, n_ctx_seq, head_dim]
         cfg = self.cfg
         G, T, _ = x.shape
-        q = self.wq(x).view(G, T, cfg.n_head, cfg.head_dim)
-        k = self.wk(x).view(G, T, cfg.n_head_kv, cfg.head_dim)
-        v = self.wv(x).view(G, T, cfg.n_head_kv, cfg.head_dim)
+        q, k, v = self.qkv(x) if self.qkv is not None else (self.wq(x), self.wk(x), self.wv(x))
+        q = q.view(G, T, cfg.n_head, cfg.head_dim)
+        k = k.view(G, T, cfg.n_head_kv, cfg.head_dim)
+        v = v.view(G, T, cfg.n_head_kv, cfg.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
@@ -122,9 +124,11 @@ class FeedForward(nn.Module):
         self.w_up = Linear(cfg.n_embd, cfg.n_ff)
         self.w_down = Linear(cfg.n_ff, cfg.n_embd)
         self.act = F.silu if cfg.ffn_act == "silu" else lambda t: F.gelu(t, approximate="tanh")
+        self.gate_up: nn.Module | None = None  # x -> (gate, up) in one product, set by qlinear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(self.act(self.w_gate(x)) * self.w_up(x))
+        gate, up = self.gate_up(x) if self.gate_up is not None else (self.w_gate(x), self.w_up(x))
+        return self.w_down(self.act(gate) * up)
 
 
 class Block(nn.Module):

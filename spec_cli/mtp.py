@@ -33,7 +33,15 @@ from spec_cli.context import Context
 from spec_cli.errors import SpecCliError
 from spec_cli.gguf_file import GGUFFile
 from spec_cli.loader import _BLOCK_NAMES, LoadedModel, _set_param
-from spec_cli.model import Block, Embedding, ForwardPlan, Linear, RMSNorm, Transformer, rope_tables
+from spec_cli.model import (
+    Block,
+    Embedding,
+    ForwardPlan,
+    Linear,
+    RMSNorm,
+    Transformer,
+    rope_tables,
+)
 from spec_cli.quants import load_tensor
 
 # GGUF suffix (after "blk.{il}.") -> attribute path inside MTPHead
@@ -125,7 +133,7 @@ def load_mtp_head(loaded: LoadedModel) -> MTPHead | None:
         if path == "embed.weight":
             head.embed.weight = load_tensor(gf, name, head.device, torch.float32).to(head.dtype)
             continue
-        is_norm = suffix.endswith("norm.weight") or suffix.endswith(".bias")  # norms stay float32, as the loader does
+        is_norm = suffix.endswith(("norm.weight", ".bias"))  # norms stay float32, as the loader does
         t = load_tensor(gf, name, head.device, torch.float32)
         _set_param(head, path, t if is_norm else t.to(head.dtype))
     missing = [n for n, p in head.named_parameters() if p.is_meta]

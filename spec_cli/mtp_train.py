@@ -27,9 +27,9 @@ import random
 import sysconfig
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -50,10 +50,12 @@ TOP_K = 8  # target candidates kept per position for the KL term
 GEN_REQUESTS = (
     "Explain what this does, step by step.",
     "Rewrite this with clearer names and comments. Return the complete code.",
-    "Continue this.",
+    "Write a short story in which a programmer runs into the problem this solves.",
     "Summarize this in a few sentences, then list its main points.",
     "Write unit tests for this.",
+    "Write a friendly message to a teammate describing this change and asking for feedback.",
     "Point out possible bugs in this and return a corrected version.",
+    "Write a blog post paragraph about the ideas behind this.",
 )
 
 
@@ -203,14 +205,14 @@ def greedy_continuations(loaded: LoadedModel, prompts: torch.Tensor, n_new: int,
             nxt = logits.argmax(-1).tolist()
             for s, tok in enumerate(nxt):
                 chunk[s].append(tok)
+            if progress:
+                progress(Progress("generate", b0 * n_new + (i + 1) * len(chunk), N * n_new, {}))
             if i == n_new - 1:
                 break
             step = Batch()
             for s, tok in enumerate(nxt):
                 step.add(tok, P + i, s, True)
             logits = ctx.decode(step).logits
-            if progress:
-                progress(Progress("generate", b0 * n_new + (i + 1) * len(chunk), N * n_new, {}))
         out.extend(chunk)
     return torch.tensor(out, dtype=torch.long)
 
@@ -388,10 +390,10 @@ class TrainResult:
     gen_tokens: int
     eval_tokens: int
     seconds: float
-    loss_first: float
-    loss_last: float
-    acc_init: float  # held-out first-position agreement before training
-    acc_final: float
+    loss_first: float | None  # None when no step ran (a resumed run that was already complete)
+    loss_last: float | None
+    acc_before: float  # held-out first-position agreement before this run's steps (the init, or the checkpoint)
+    acc_after: float
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -451,7 +453,7 @@ def train(loaded: LoadedModel, out_path: str | Path, cfg: TrainConfig, progress:
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
         start = state["step"]
-    acc_init = acceptance_estimate(head, held, cfg.batch)
+    acc_before = acceptance_estimate(head, held, cfg.batch)
     n_windows = feats.tokens.shape[0]
     order = torch.randperm(n_windows, generator=torch.Generator().manual_seed(cfg.seed))
     losses = []
@@ -471,11 +473,13 @@ def train(loaded: LoadedModel, out_path: str | Path, cfg: TrainConfig, progress:
                         "step": step + 1, "config": asdict(cfg)}, ckpt_path)
     if progress:
         progress(Progress("eval", 0, 1, {}))
-    acc_final = acceptance_estimate(head, held, cfg.batch)
+    acc_after = acceptance_estimate(head, held, cfg.batch)
+    if progress:
+        progress(Progress("eval", 1, 1, {"acceptance": acc_after}))
     write_gguf_with_head(loaded.gguf.path, out_path, head_arrays(head))
-    return TrainResult(out_path, cfg.steps - start, feats.tokens.numel(), cfg.gen_tokens // cfg.seq_len * cfg.seq_len,
-                       held.tokens.numel(), time.perf_counter() - t0, losses[0] if losses else float("nan"),
-                       losses[-1] if losses else float("nan"), acc_init, acc_final)
+    return TrainResult(out_path, len(losses), feats.tokens.numel(), cfg.gen_tokens // cfg.seq_len * cfg.seq_len,
+                       held.tokens.numel(), time.perf_counter() - t0, losses[0] if losses else None,
+                       losses[-1] if losses else None, acc_before, acc_after)
 
 
 def head_arrays(head: MTPHead) -> dict[str, np.ndarray]:

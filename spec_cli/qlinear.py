@@ -38,44 +38,44 @@ def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) ->
 # value L + i in the high nibble. Q4_0/Q4_1: one 16-byte unit per 32-value block; Q4_K: four 32-byte units.
 
 
-def _int4_fields(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
-    """blocks [N, n_blocks, type_size] -> (qs [N, n_units, L] bytes, L, a, b), a and b [N, n_groups] float32 with
-    value = a * code + b for every 32-value group, computed as the dequantizer computes them (same products)."""
+def _int4_fields(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """blocks [N, n_blocks, type_size] -> (qs, a, b): qs [N, n_blocks, units, L] code bytes (a view of `blocks`),
+    a and b [N, n_groups] float32 with value = a * code + b for every 32-value group, computed as the dequantizer
+    computes them (same products, so a * code + b is its value bit for bit)."""
     N, nb, _ = blocks.shape
     f16 = lambda start: blocks[:, :, start : start + 2].contiguous().view(torch.float16).float().view(N, nb)  # noqa: E731
     if qtype == T.Q4_0:  # d | qs[16]: (q - 8) * d
         d = f16(0)
-        return blocks[:, :, 2:], 16, d, d * -8
+        return blocks[:, :, None, 2:], d, d * -8
     if qtype == T.Q4_1:  # d | m | qs[16]: q * d + m
-        return blocks[:, :, 4:], 16, f16(0), f16(2)
+        return blocks[:, :, None, 4:], f16(0), f16(2)
     if qtype == T.Q4_K:  # d | dmin | scales[12] | qs[128]: q * (d * sc) - dmin * m per 32 values
         a, m = _k_scales(blocks.reshape(N * nb, -1))  # [N * nb, 8, 1] each
-        return blocks[:, :, 16:].reshape(N, nb * 4, 32), 32, a.view(N, nb * 8), -m.view(N, nb * 8)
+        return blocks[:, :, 16:].unflatten(2, (4, 32)), a.view(N, nb * 8), -m.view(N, nb * 8)
     raise ValueError(f"{qtype.name} is not a 4-bit affine format")
 
 
-def _pack_int4(qs: torch.Tensor, L: int, tile: int) -> torch.Tensor:
-    """qs [N, n_units, L] -> the kernel's packed weight [N, K / 2] for its N tile of `tile` rows.
+def _pack_int4(qs: torch.Tensor, tile: int) -> torch.Tensor:
+    """qs [N, n_blocks, units, L] -> the kernel's packed weight [N, K / 2] for its N tile of `tile` rows.
 
     The kernel reads, per tile of rows and per k, tile / 2 bytes: byte j holds row j's code in its low nibble and
     row j + tile / 2's in its high nibble (so one 256-bit load unpacks a whole tile). Built straight from the GGUF
     bytes: for k in the low half of a unit the codes are low nibbles, in the high half high nibbles.
     """
-    N, U, _ = qs.shape
+    N, B, U, L = qs.shape
     half = tile // 2
-    src = qs.reshape(N // tile, 2, half, U, L)
-    lo_rows, hi_rows = src[:, 0], src[:, 1]  # [n_tiles, half, U, L]
-    packed = torch.empty(N // tile, U, 2, L, half, dtype=torch.uint8)  # [n_tiles, k = (unit, nibble, byte), j]
-    view = packed.permute(0, 4, 1, 2, 3)  # [n_tiles, j, U, 2, L]
-    torch.bitwise_or(lo_rows & 0x0F, hi_rows << 4, out=view[:, :, :, 0])
-    torch.bitwise_or(lo_rows >> 4, hi_rows & 0xF0, out=view[:, :, :, 1])
-    return packed.view(N, U * 2 * L // 2)
+    src = qs.unflatten(0, (N // tile, 2, half))
+    lo_rows, hi_rows = src[:, 0], src[:, 1]  # [n_tiles, half, B, U, L]
+    packed = torch.empty(N // tile, B, U, 2, L, half, dtype=torch.uint8)  # [n_tiles, k = (block, unit, nibble, byte), j]
+    view = packed.permute(0, 5, 1, 2, 3, 4)  # [n_tiles, j, B, U, 2, L]
+    torch.bitwise_or(lo_rows & 0x0F, hi_rows << 4, out=view[..., 0, :])
+    torch.bitwise_or(lo_rows >> 4, hi_rows & 0xF0, out=view[..., 1, :])
+    return packed.view(N, B * U * L)
 
 
-def _codes(qs: torch.Tensor, L: int) -> torch.Tensor:
-    """qs [N, n_units, L] -> codes [N, K] uint8 in 0..15, in value order."""
-    N = qs.shape[0]
-    return torch.stack((qs & 0x0F, qs >> 4), dim=2).view(N, -1)
+def _codes(qs: torch.Tensor) -> torch.Tensor:
+    """qs [N, n_blocks, units, L] -> codes [N, K] uint8 in 0..15, in value order."""
+    return torch.stack((qs & 0x0F, qs >> 4), dim=3).view(qs.shape[0], -1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,10 +83,10 @@ def _packing_tile() -> int | None:
     """The N tile whose layout `_pack_int4` must produce for this build and CPU (64 on AVX-512, 32 on AVX2), found
     by comparing with torch's own converter on random codes; None = unknown layout (use the converter)."""
     gen = torch.Generator().manual_seed(0)
-    qs = torch.randint(0, 256, (128, 2, 16), dtype=torch.uint8, generator=gen)
-    reference = torch.ops.aten._convert_weight_to_int4pack_for_cpu(_codes(qs, 16).to(torch.int32), 2)
+    qs = torch.randint(0, 256, (128, 2, 1, 16), dtype=torch.uint8, generator=gen)
+    reference = torch.ops.aten._convert_weight_to_int4pack_for_cpu(_codes(qs).to(torch.int32), 2)
     for tile in (64, 32):
-        if torch.equal(_pack_int4(qs, 16, tile), reference):
+        if torch.equal(_pack_int4(qs, tile), reference):
             return tile
     return None
 
@@ -103,7 +103,7 @@ def _scale_zero(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 class Int4Linear(nn.Module):
-    """y = x W^T (+ b) with W as 4-bit codes and per-32 (scale, zero): [*, K] float32 -> [*, N] float32."""
+    """y = x W^T (+ b) with W as 4-bit codes and per-32 (scale, zero): [*, K] -> [*, N] in x's dtype."""
 
     def __init__(self, packed: torch.Tensor, scale_zero: torch.Tensor, n_in: int, n_out: int, bias: nn.Parameter | None):
         super().__init__()
@@ -118,24 +118,24 @@ class Int4Linear(nn.Module):
         N, K = shape
         block_size, type_size = GGML_QUANT_SIZES[qtype]
         blocks = raw.view(N, K // block_size, type_size)
-        qs, L, a, b = _int4_fields(qtype, blocks)
+        qs, a, b = _int4_fields(qtype, blocks)
         tile = _packing_tile()
         if tile is not None and N % tile == 0:
-            packed = _pack_int4(qs, L, tile)
+            packed = _pack_int4(qs, tile)
         else:
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(_codes(qs, L).to(torch.int32), 2)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(_codes(qs).to(torch.int32), 2)
         return cls(packed, _scale_zero(a, b), K, N, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.n_in).to(torch.bfloat16)  # [M, K], a fresh contiguous copy
-        y = _int4_mm(rows, self.packed, self.scale_zero).float()  # [M, N]
+        y = _int4_mm(rows, self.packed, self.scale_zero).to(x.dtype)  # [M, N]
         if self.bias is not None:
             y += self.bias
         return y.view(*x.shape[:-1], self.n_out)
 
 
 class Int8Linear(nn.Module):
-    """y = x W^T (+ b) with W as int8 and one scale per output row: [*, K] float32 -> [*, N] float32."""
+    """y = x W^T (+ b) with W as int8 and one scale per output row: [*, K] -> [*, N] in x's dtype."""
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: nn.Parameter | None):
         super().__init__()
@@ -164,7 +164,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.n_in).to(torch.bfloat16)  # [M, K]
-        y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales).float()  # [M, N]
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales).to(x.dtype)  # [M, N]
         if self.bias is not None:
             y += self.bias
         return y.view(*x.shape[:-1], self.n_out)
@@ -175,6 +175,68 @@ def _round_up_bf16(x: torch.Tensor) -> torch.Tensor:
     return ((x.view(torch.int32) + 0xFFFF) & -0x10000).view(torch.float32).to(torch.bfloat16)
 
 
+def _concat(linears: list[nn.Module]) -> nn.Module | None:
+    """One module computing the outputs of `linears` (same class, same input size) side by side: their weights
+    concatenated along N. None where the int4 layout cannot be cut between them (N not a whole number of tiles)."""
+    first = linears[0]
+    biases = [m.bias if m.bias is not None else torch.zeros(m.n_out) for m in linears]
+    bias = nn.Parameter(torch.cat(biases), requires_grad=False) if any(m.bias is not None for m in linears) else None
+    if isinstance(first, Int4Linear):
+        tile = _packing_tile()
+        if tile is None or any(m.n_out % tile for m in linears):
+            return None
+        return Int4Linear(torch.cat([m.packed for m in linears]), torch.cat([m.scale_zero for m in linears], dim=1),
+                          first.n_in, sum(m.n_out for m in linears), bias)
+    return Int8Linear(torch.cat([m.weight for m in linears]), torch.cat([m.scales for m in linears]), bias)
+
+
+class Fused(nn.Module):
+    """Quantized linear layers that read the same input (q, k, v; gate, up), run as few kernel calls as possible:
+    each run of consecutive layers of one class is concatenated into one product, whose output is split again.
+    forward(x [*, K]) -> one tensor [*, n_out_i] per original layer, in order (views of a shared product)."""
+
+    def __init__(self, linears: list[nn.Module]):
+        super().__init__()
+        self.products = nn.ModuleList()
+        self.sizes: list[list[int]] = []  # per product: the n_out of each layer it holds
+        start = 0
+        for end in range(1, len(linears) + 1):
+            if end < len(linears) and type(linears[end]) is type(linears[start]):
+                continue
+            run = linears[start:end]
+            joined = _concat(run) if len(run) > 1 else None
+            if joined is not None:
+                self.products.append(joined)
+                self.sizes.append([m.n_out for m in run])
+            else:
+                self.products.extend(run)
+                self.sizes.extend([m.n_out] for m in run)
+            start = end
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        outs: list[torch.Tensor] = []
+        for product, sizes in zip(self.products, self.sizes):
+            y = product(x)
+            outs.extend(y.split(sizes, dim=-1) if len(sizes) > 1 else (y,))
+        return outs
+
+
+def fuse_projections(model: nn.Module) -> None:
+    """Give every block's attention a fused q|k|v and its FFN a fused gate|up (model.Attention.qkv,
+    model.FeedForward.gate_up) where at least two of the quantized layers can share one product; the parts
+    are dropped (their weights live on in the product)."""
+    for block in model.layers:
+        for owner, names, attr in ((block.attn, ("wq", "wk", "wv"), "qkv"), (block.ffn, ("w_gate", "w_up"), "gate_up")):
+            parts = [getattr(owner, n) for n in names]
+            if not all(isinstance(m, (Int4Linear, Int8Linear)) for m in parts):
+                continue
+            fused = Fused(parts)
+            if len(fused.products) < len(parts):
+                setattr(owner, attr, fused)
+                for n in names:
+                    setattr(owner, n, None)
+
+
 INT4_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
 
 
@@ -182,13 +244,13 @@ def supports(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> bool:
     """Whether a weight of this type and [N, K] shape gets a quantized module (float types keep `Linear`)."""
     if len(shape) != 2 or qtype in (T.F32, T.F16, T.BF16) or qtype not in GGML_QUANT_SIZES:
         return False
-    N, K = shape
-    return K % GROUP == 0 and (N % 16 == 0 if qtype in INT4_TYPES else True)
+    return shape[1] % GROUP == 0  # the int8 kernel has no tail loop over K
 
 
 def quantized_linear(raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, int],
                      bias: nn.Parameter | None = None) -> nn.Module:
-    """The quantized module for a GGUF weight [N, K] from its raw bytes ([n_bytes] uint8 on the CPU)."""
-    if qtype in INT4_TYPES:
+    """The quantized module for a GGUF weight [N, K] from its raw bytes ([n_bytes] uint8 on the CPU): int4 for the
+    4-bit formats when N is a multiple of the kernel's 16-row step, int8 otherwise."""
+    if qtype in INT4_TYPES and shape[0] % 16 == 0:
         return Int4Linear.from_gguf(raw, qtype, shape, bias)
     return Int8Linear.from_gguf(raw, qtype, shape, bias)

@@ -4,6 +4,10 @@ partial acceptance, greedy losslessness alone and in a chain for one and four se
 
 from __future__ import annotations
 
+import random
+import sysconfig
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -11,17 +15,25 @@ import torch
 from spec_cli.batch import Batch
 from spec_cli.context import Context
 from spec_cli.engine import EngineOptions, build_engine
-from spec_cli.generate import generate
 from spec_cli.gguf_file import GGUFFile
 from spec_cli.loader import load_model
 from spec_cli.mtp import MTPContext, load_mtp_head
-from spec_cli.mtp_train import TrainConfig, head_forward, train
+from spec_cli.mtp_train import (
+    TrainConfig,
+    generation_prompts,
+    head_forward,
+    prompt_set_files,
+    stdlib_documents,
+    token_windows,
+    train,
+)
 from spec_cli.sampling import SamplingParams
-from spec_cli.speculative.base import DraftParams, SpecParams
 from spec_cli.speculative import mtp as mtp_drafter
+from spec_cli.speculative.base import DraftParams, SpecParams
 from spec_cli.speculative.chain import Chain
 from spec_cli.speculative.mtp import MTPDrafter
 from spec_cli.speculative.registry import NGRAM_DRAFTERS
+from spec_cli.tokenizer import Tokenizer
 from tests.tiny_mtp import write_tiny_mtp_gguf
 
 GREEDY = SamplingParams(temp=0.0)
@@ -61,17 +73,16 @@ def run_all(engine, prompts):
     engine.reset()
     gen = engine.generator()
     outs = {seq: list(gen.start(seq, p, GREEDY, N_PREDICT).tokens) for seq, p in enumerate(prompts)}
-    seqs = dict(gen.active)
     while emitted := gen.step():
         for e in emitted:
             outs[e.seq].extend(e.tokens)
-    return [outs[s] for s in range(len(prompts))], seqs
+    return [outs[s] for s in range(len(prompts))]
 
 
 @pytest.fixture(scope="module")
 def plain_outputs(mtp_path):
     engine = make_engine(mtp_path)
-    return [run_all(engine, [p])[0][0] for p in PROMPTS]
+    return [run_all(engine, [p])[0] for p in PROMPTS]
 
 
 # --- model side -----------------------------------------------------------------------------------------------
@@ -151,7 +162,7 @@ def test_drafts_follow_the_shifted_hidden_states(mtp_path, monkeypatch, n_seq, d
     monkeypatch.setattr(mtp_drafter, "DEFER_MAX", defer_max)
     engine = make_engine(mtp_path, "draft-mtp", n_seq=n_seq)
     calls = record_drafts(engine)
-    _, seqs = run_all(engine, PROMPTS[:n_seq])
+    run_all(engine, PROMPTS[:n_seq])
     stats = engine.chain.stats["draft-mtp"]
     assert 0 < stats.n_acc_tokens < stats.n_gen_tokens, "needs partial acceptance to exercise the rollback"
     head, lm = engine.chain.drafters[-1].ctx.head, engine.target
@@ -195,7 +206,7 @@ def test_partial_acceptance_keeps_committed_state_only(mtp_path):
 @pytest.mark.parametrize("n_seq", [1, 4])
 def test_greedy_speculation_equals_plain(mtp_path, plain_outputs, chain, n_seq):
     engine = make_engine(mtp_path, chain, n_seq=n_seq)
-    outs, seqs = run_all(engine, PROMPTS[:n_seq])
+    outs = run_all(engine, PROMPTS[:n_seq])
     assert outs == plain_outputs[:n_seq]
     stats = engine.chain.stats["draft-mtp"]
     assert stats.n_gen_tokens > 0 and stats.n_acc_tokens > 0
@@ -213,7 +224,7 @@ def test_training_lowers_the_loss_and_round_trips(tiny_model_path, tmp_path):
     out = tmp_path / "tiny-trained-mtp.gguf"
     result = train(target, out, cfg, lambda p: losses.append(p.info["loss"]) if p.stage == "train" else None)
     assert len(losses) == cfg.steps and np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5])
-    assert 0.0 <= result.acc_init <= 1.0 and 0.0 <= result.acc_final <= 1.0
+    assert result.steps == cfg.steps and 0.0 <= result.acc_before <= 1.0 and 0.0 <= result.acc_after <= 1.0
 
     lm = load_model(out, device="cpu")
     assert (lm.config.n_layer_main, lm.config.n_nextn) == (target.config.n_layer, 1)
@@ -225,5 +236,21 @@ def test_training_lowers_the_loss_and_round_trips(tiny_model_path, tmp_path):
     engine = make_engine(out, "draft-mtp")
     plain = make_engine(out)
     for prompt in PROMPTS[:2]:
-        assert run_all(engine, [prompt])[0] == run_all(plain, [prompt])[0]
+        assert run_all(engine, [prompt]) == run_all(plain, [prompt])
     assert engine.chain.stats["draft-mtp"].n_gen_tokens > 0
+
+
+
+def test_training_data_leaves_out_prompt_set_sources(tiny_model_path):
+    root = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    excluded = {path.relative_to(root).as_posix() for path in prompt_set_files()}
+    assert excluded, "the built-in prompt sets quote standard-library sources"
+    docs = stdlib_documents()
+    assert not excluded & {name for name, _ in docs}
+
+    tok = Tokenizer.from_metadata(GGUFFile(tiny_model_path).metadata)
+    snippets = token_windows(tok, docs[:20], 300, 3, random.Random(0))
+    prompts = generation_prompts(tok, snippets, 256)  # the model's chat template around a request and a snippet
+    assert prompts.shape == (3, 256)
+    text = tok.decode(prompts[0].tolist())
+    assert text.startswith("<|im_start|>user") and text.endswith("<|im_start|>assistant\n")

@@ -24,7 +24,7 @@ def write_tiny_mtp_gguf(path: Path, seed: int = 0, hidden_scale: float = 0.5, ow
     path = Path(path)
     base = write_tiny_gguf(path.with_name(path.stem + "-base.gguf"), arch="llama", seed=seed, n_layer=1)
     gf = GGUFFile(base)
-    read = lambda name: load_tensor(gf, name).numpy()  # noqa: E731
+    read = lambda name: load_tensor(gf, name).numpy()
     d = gf.tensors["output_norm.weight"].shape[0]
     rng = np.random.default_rng(seed + 7)
     head = {name[len("blk.0."):]: read(name) for name in gf.tensors if name.startswith("blk.0.")}
