@@ -17,6 +17,8 @@ from spec_cli.generate import Generator
 from spec_cli.loader import LoadedModel, load_model
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.chain import MODEL_TYPES, PRIORITY, Chain
+from spec_cli.speculative.mtp import MTPDrafter
+from spec_cli.mtp import MTPContext, load_mtp_head
 from spec_cli.speculative.draft_model import DraftModelDrafter, check_vocab_compatible
 from spec_cli.speculative.registry import NGRAM_DRAFTERS
 from spec_cli.tokenizer import Tokenizer
@@ -48,6 +50,7 @@ class Engine:
     spec: SpecParams
     draft: LoadedModel | None = None
     draft_ctx: Context | None = None
+    mtp_ctx: Context | None = None  # the target's NextN head with its own KV (draft-mtp)
 
     @property
     def eog_ids(self) -> set[int]:
@@ -59,8 +62,9 @@ class Engine:
     def reset(self) -> None:
         """Empty every KV cache (a fresh run; n-gram state is reset per request by `begin`)."""
         self.ctx.clear()
-        if self.draft_ctx is not None:
-            self.draft_ctx.clear()
+        for ctx in (self.draft_ctx, self.mtp_ctx):
+            if ctx is not None:
+                ctx.clear()
 
 
 def resolve(value: str | None) -> Path:
@@ -89,9 +93,13 @@ def build_engine(opts: EngineOptions) -> Engine:
                            opts.dtype)
         check_vocab_compatible(tokenizer, Tokenizer.from_metadata(draft.gguf.metadata))
         draft_ctx = Context(draft, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)  # same n_ctx as the target (#22554)
-    if "draft-mtp" in spec.types:
-        raise SpecCliError("--spec-type draft-mtp needs a model with an MTP (NextN) head; this model has none")
     engine = Engine(target, tokenizer, ctx, None, spec, draft, draft_ctx)
+    if "draft-mtp" in spec.types:
+        head = load_mtp_head(target)
+        if head is None:
+            raise SpecCliError("--spec-type draft-mtp needs a model with an MTP (NextN) head; this model has none "
+                               "(spec-cli mtp-train can distill one)")
+        engine.mtp_ctx = MTPContext(head, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
     engine.chain = build_chain(engine)
     return engine
 
@@ -106,6 +114,9 @@ def build_chain(engine: Engine) -> Chain | None:
         if name == "draft-simple":
             engine.draft_ctx.clear()
             drafters.append(DraftModelDrafter(engine.draft_ctx, spec, n_seq))
+        elif name == "draft-mtp":
+            engine.mtp_ctx.clear()
+            drafters.append(MTPDrafter(engine.mtp_ctx, engine.ctx, spec, n_seq))
         elif name not in MODEL_TYPES:
             drafters.append(NGRAM_DRAFTERS[name](spec, n_seq))
     return Chain(drafters, n_seq) if drafters else None

@@ -15,6 +15,7 @@ import torch
 from spec_cli.batch import Batch
 from spec_cli.context import Context
 from spec_cli.engine import EngineOptions, build_engine
+from spec_cli.generate import generate
 from spec_cli.gguf_file import GGUFFile
 from spec_cli.loader import load_model
 from spec_cli.mtp import MTPContext, load_mtp_head
@@ -254,3 +255,29 @@ def test_training_data_leaves_out_prompt_set_sources(tiny_model_path):
     assert prompts.shape == (3, 256)
     text = tok.decode(prompts[0].tolist())
     assert text.startswith("<|im_start|>user") and text.endswith("<|im_start|>assistant\n")
+
+
+def test_spec_type_mtp_through_the_engine(mtp_path):
+    """`--spec-type mtp` wired by build_engine: greedy output equals plain output, and the head drafts."""
+    from spec_cli.speculative.chain import parse_spec_types
+
+    plain = build_engine(EngineOptions(model=str(mtp_path), n_ctx=128, device="cpu"))
+    spec = build_engine(EngineOptions(model=str(mtp_path), n_ctx=128, device="cpu",
+                                      spec=SpecParams(types=parse_spec_types("ngram-mod,mtp"), draft_max=3,
+                                                      draft_p_min=0.0, ngram_mod_n_match=3, ngram_mod_n_min=1)))
+    assert [d.name for d in spec.chain.drafters] == ["ngram-mod", "draft-mtp"]
+    for prompt in PROMPTS:
+        expected, got = [], []
+        plain.reset()
+        generate(plain.generator(), prompt, GREEDY, N_PREDICT, on_emit=lambda e: expected.extend(e.tokens))
+        spec.reset()
+        generate(spec.generator(), prompt, GREEDY, N_PREDICT, on_emit=lambda e: got.extend(e.tokens))
+        assert got == expected
+    assert spec.chain.stats["draft-mtp"].n_gen_tokens > 0
+
+
+def test_mtp_on_a_model_without_head_is_a_clear_error(tiny_model_path):
+    from spec_cli.errors import SpecCliError
+
+    with pytest.raises(SpecCliError, match="MTP"):
+        build_engine(EngineOptions(model=str(tiny_model_path), device="cpu", spec=SpecParams(types=["draft-mtp"])))
