@@ -1,7 +1,8 @@
 """Engine speed on this machine, per weight path (--dtype): load time, plain greedy generation and the verify-cost curve.
 
 For each model and each dtype path (f32 = dequantized float32 weights, q = quantized kernels of qlinear.py, ...):
-  load    `load_model` wall time (ms), median over --load-reps loads
+  load    `load_model` wall time (ms) in a fresh process (as a command sees it; the file is in the page cache
+          after the first), median over --load-reps processes
   tg      tokens/s generating --n-gen tokens greedily after a short code prompt (ignore_eos), median over --reps
   verify  (--verify-models only) one target forward of k rows with logits, at depth --depth, for k = 1..16 (the
           verify batch of a speculative step: id_last + k - 1 drafts); median ns per k and cost(k) / cost(1)
@@ -21,6 +22,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,6 +49,15 @@ def load(model: str, dtype: str, threads: int, n_ctx: int):
     return build_engine(EngineOptions(model=model, dtype=dtype, device="cpu", threads=threads, n_ctx=n_ctx))
 
 
+def load_ms_fresh_process(model: str, dtype: str, threads: int) -> float:
+    code = ("import sys, torch; torch.set_num_threads(int(sys.argv[3])); from spec_cli.engine import resolve; "
+            "from spec_cli.loader import load_model; "
+            "print(load_model(resolve(sys.argv[1]), device='cpu', dtype=sys.argv[2]).load_ms)")
+    out = subprocess.run([sys.executable, "-c", code, model, dtype, str(threads)], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[1])
+    return float(out.stdout.split()[-1])
+
+
 def generation_tps(engine, n_gen: int) -> float:
     engine.reset()
     gen = engine.generator()
@@ -67,13 +78,10 @@ def prefill(engine, depth: int) -> None:
 def measure_model(model: str, args) -> dict:
     dtypes = args.dtypes
     loads: dict[str, list[float]] = {d: [] for d in dtypes}
-    engines = {}
     for _ in range(args.load_reps):
         for d in dtypes:
-            engines.pop(d, None)
-            gc.collect()
-            engines[d] = load(model, d, args.threads, max(args.depth + 32, 512))
-            loads[d].append(engines[d].target.load_ms)
+            loads[d].append(load_ms_fresh_process(model, d, args.threads))
+    engines = {d: load(model, d, args.threads, max(args.depth + 32, 512)) for d in dtypes}
     tps: dict[str, list[float]] = {d: [] for d in dtypes}
     for d in dtypes:
         generation_tps(engines[d], 8)  # warm-up
@@ -136,7 +144,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--n-gen", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--load-reps", type=int, default=1)
+    ap.add_argument("--load-reps", type=int, default=3)
     ap.add_argument("--verify-models", default="qwen2.5-coder-0.5b,qwen2.5-coder-1.5b")
     ap.add_argument("--depth", type=int, default=256, help="cache cells before the verify rows")
     ap.add_argument("--k-max", type=int, default=16)
@@ -156,6 +164,10 @@ def main() -> None:
            "results": results}
     print_tables(results, args)
     print(f"\nload average (1, 5, 15 min): before {load_before}, after {doc['load_average_after']}")
+    if args.threads > 1 and load_before[0] > 0.5:
+        print(f"note: other processes are running on these {os.cpu_count()} cores; a torch kernel split over "
+              f"{args.threads} threads then waits at its barrier for a descheduled thread (a time slice per call), "
+              "so compare with --threads 1 on a busy machine")
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))
         print(f"JSON: {args.json}")

@@ -74,7 +74,7 @@ def parse_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name not in table:
-        raise UsageError(f"unknown --dtype '{name}' (use auto, f32, f16 or bf16)")
+        raise UsageError(f"unknown --dtype '{name}' (use auto, f32, f16, bf16 or q)")
     return table[name]
 
 
