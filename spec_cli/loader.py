@@ -68,7 +68,8 @@ def parse_device(name: str | None) -> torch.device:
 
 
 def parse_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`--dtype auto` = bf16 on CUDA, f32 on CPU (half precision matmuls are >100x slower on this kind of CPU)."""
+    """Activation/weight dtype: `auto` = bf16 on CUDA, f32 on the CPU (half precision matmuls are >100x slower on
+    this kind of CPU; `--dtype q` keeps the GGUF weights quantized there instead, see load_model)."""
     table = {"f32": torch.float32, "float32": torch.float32, "f16": torch.float16, "float16": torch.float16,
              "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
     if name == "auto":
@@ -120,7 +121,7 @@ def load_model(
     gf = GGUFFile(path)
     cfg = ModelConfig.from_gguf(gf)
     main_device = parse_device(device)
-    quantize = dtype == "q"
+    quantize = dtype == "q"  # GGUF weights kept quantized on the CPU (qlinear.py)
     torch_dtype = parse_dtype("auto" if quantize else dtype, main_device)
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -143,7 +144,7 @@ def load_model(
             dev = model.layer_devices[layer]
             if quantize and dev.type == "cpu" and _set_quantized(model.layers[layer], _BLOCK_NAMES[suffix], gf, name):
                 continue
-            is_norm = suffix.endswith("norm.weight") or suffix.endswith(".bias")
+            is_norm = suffix.endswith("norm.weight")  # norms stay float32 (RMSNorm computes in float32)
             _set_param(model.layers[layer], _BLOCK_NAMES[suffix], fetch(name, dev, keep_dtype=is_norm))
         elif name == "token_embd.weight":
             _load_embedding(model, gf, embd_device, torch_dtype)

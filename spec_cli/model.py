@@ -41,7 +41,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if x.dtype == self.weight.dtype:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)  # bf16/f16 activations
 
 
 class Linear(nn.Module):

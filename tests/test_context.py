@@ -125,3 +125,12 @@ def test_bad_batches_are_clear_errors(tiny):
         ctx.decode(rows([tiny.config.n_vocab]))
     with pytest.raises(SpecCliError, match="sequence id"):
         ctx.decode(rows([1], seq=1))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_bf16_weights_pick_the_same_tokens_as_f32(tiny_arch_path, arch):
+    f32 = Context(load_model(tiny_arch_path(arch), device="cpu", dtype="f32"), n_ctx=64).decode(rows(TOKENS)).logits
+    bf16 = Context(load_model(tiny_arch_path(arch), device="cpu", dtype="bf16"), n_ctx=64).decode(rows(TOKENS)).logits
+    assert bf16.dtype == torch.float32
+    assert torch.equal(bf16.argmax(-1), f32.argmax(-1))
+    torch.testing.assert_close(bf16, f32, atol=0.5, rtol=0)
