@@ -19,7 +19,7 @@ from spec_cli.config import ModelConfig
 from spec_cli.errors import SpecCliError, UsageError
 from spec_cli.gguf_file import GGUFFile
 from spec_cli.model import Linear, Transformer
-from spec_cli.qlinear import fuse_projections, quantized_linear, supports
+from spec_cli.qlinear import Int4Linear, Int8Linear, fuse_projections, quantized_linear, supports
 from spec_cli.quants import load_tensor
 
 # GGUF block tensor suffix -> attribute path inside model.Block
@@ -50,6 +50,7 @@ class LoadedModel:
     config: ModelConfig
     gguf: GGUFFile
     load_ms: float
+    weights: str = "f32"  # how linear weights are held: "q" (kept quantized, qlinear.py), "f32", "bf16" or "f16"
 
 
 def parse_device(name: str | None) -> torch.device:
@@ -67,9 +68,12 @@ def parse_device(name: str | None) -> torch.device:
     return device
 
 
+_DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
 def parse_dtype(name: str, device: torch.device) -> torch.dtype:
-    """Activation/weight dtype: `auto` = bf16 on CUDA, f32 on the CPU (half precision matmuls are >100x slower on
-    this kind of CPU; `--dtype q` keeps the GGUF weights quantized there instead, see load_model)."""
+    """Float dtype of activations and of weights that are not kept quantized: `auto` = bf16 on CUDA, f32 on the CPU
+    (half precision matmuls are >100x slower on this kind of CPU)."""
     table = {"f32": torch.float32, "float32": torch.float32, "f16": torch.float16, "float16": torch.float16,
              "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
     if name == "auto":
@@ -116,12 +120,13 @@ def load_model(
     path: str | Path, device: str | None = "auto", n_gpu_layers: int = -1, dtype: str = "auto"
 ) -> LoadedModel:
     """`dtype` "q" keeps the weights of CPU-resident linear layers quantized (qlinear.py), activations float32;
-    layers on a GPU then take the float dtype `auto` gives there."""
+    layers on a GPU then take the float dtype `auto` gives there. "auto" is "q" when the main device is the CPU (3-4x
+    faster than f32 there, llama.cpp parity within tests/test_parity.py's tolerance) and bf16 on CUDA."""
     t0 = time.perf_counter()
     gf = GGUFFile(path)
     cfg = ModelConfig.from_gguf(gf)
     main_device = parse_device(device)
-    quantize = dtype == "q"  # GGUF weights kept quantized on the CPU (qlinear.py)
+    quantize = dtype == "q" or (dtype == "auto" and main_device.type == "cpu")  # kept quantized (qlinear.py)
     torch_dtype = parse_dtype("auto" if quantize else dtype, main_device)
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -162,7 +167,9 @@ def load_model(
     if quantize:
         fuse_projections(model)
     model.eval()
-    return LoadedModel(model, cfg, gf, (time.perf_counter() - t0) * 1000)
+    kept_quantized = any(isinstance(m, (Int4Linear, Int8Linear)) for m in model.modules())
+    weights = "q" if kept_quantized else _DTYPE_NAMES[torch_dtype]
+    return LoadedModel(model, cfg, gf, (time.perf_counter() - t0) * 1000, weights)
 
 
 def _set_output(model: Transformer, gf: GGUFFile, name: str, quantize: bool, fetch) -> None:

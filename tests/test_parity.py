@@ -28,9 +28,10 @@ NEAR_TIE = 0.25  # our own margin for a tolerated disagreement
 pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("two_threads")]
 
 
+@pytest.mark.parametrize("dtype", ["auto", "f32"])  # auto = weights kept quantized (qlinear.py)
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
-def test_teacher_forced_argmax_matches_llamacpp(name):
-    loaded = load_model(real_model(name), device="cpu")
+def test_teacher_forced_argmax_matches_llamacpp(name, dtype):
+    loaded = load_model(real_model(name), device="cpu", dtype=dtype)
     for case in reference(name)["greedy"]:
         prompt, output = case["prompt_ids"], case["output_ids"]
         batch = Batch()

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from spec_cli.cli.output import print_json, stderr
 from spec_cli.engine import resolve
 from spec_cli.errors import UsageError
-from spec_cli.loader import load_model
+from spec_cli.loader import load_model, parse_device
 from spec_cli.mtp_train import Progress as TrainProgress
 from spec_cli.mtp_train import TrainConfig, train
 
@@ -58,7 +58,7 @@ def mtp_train(
     cfg = TrainConfig(steps=steps, lr=lr, seq_len=seq_len, batch=batch, data_tokens=data_tokens, gen_tokens=gen_tokens,
                       eval_tokens=eval_tokens, checkpoint_every=checkpoint_every, seed=seed)
     stderr.print(f"loading {model or 'the default model'} ...")
-    loaded = load_model(resolve(model), device, dtype="auto")
+    loaded = load_model(resolve(model), device, dtype="f32" if parse_device(device).type == "cpu" else "auto")
     with Progress(TextColumn("{task.description:<13}"), BarColumn(bar_width=24), MofNCompleteColumn(), TimeElapsedColumn(),
                   TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=stderr) as bars:
         tasks: dict[str, int] = {}

@@ -39,7 +39,7 @@ MODEL = ("Model and context", [
     Opt("n_gpu_layers", int, -1, ("-ngl", "--n-gpu-layers", "--gpu-layers"), "blocks on the GPU, last first (-1 = all)"),
     Opt("device", str, "auto", ("-dev", "--device"), "auto | cpu | cuda | cuda:N"),
     Opt("dtype", str, "auto", ("--dtype",),
-        "auto (bf16 on CUDA, f32 on CPU) | f32 | f16 | bf16 | q (GGUF weights kept quantized on the CPU, 3-4x faster)"),
+        "auto (q on the CPU, bf16 on CUDA) | q (GGUF weights kept quantized on the CPU, 3-4x faster than f32) | f32 | f16 | bf16"),
 ])
 
 SAMPLING = ("Sampling", [
