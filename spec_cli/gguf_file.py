@@ -58,6 +58,9 @@ class TensorInfo:
         return n
 
 
+_U64 = struct.Struct("<Q")
+
+
 class GGUFFile:
     """An open GGUF file: `metadata` (key -> python value), `tensors` (name -> TensorInfo), `data(name)`."""
 
@@ -106,8 +109,24 @@ class GGUFFile:
                 arr = np.frombuffer(self._mm, dtype=dtype, count=count, offset=self._pos).tolist()
                 self._pos = end
                 return arr
+            if item_type == GGUFValueType.STRING:
+                return self._read_str_array(count)
             return [self._read_value(item_type) for _ in range(count)]
         return self._read(_SCALAR_FORMATS[vtype])
+
+    def _read_str_array(self, count: int) -> list[str]:
+        """The vocabulary and merges (~300k strings): one tight loop, ~8x faster than _read_str per item."""
+        mm, pos, size, out = self._mm, self._pos, len(self._mm), []
+        append, read_len = out.append, _U64.unpack_from
+        for _ in range(count):
+            (n,) = read_len(mm, pos)
+            pos += 8
+            if pos + n > size:
+                raise ValueError("string runs past the end of the file")
+            append(mm[pos : pos + n].decode("utf-8", errors="replace"))
+            pos += n
+        self._pos = pos
+        return out
 
     def _parse(self) -> None:
         if len(self._mm) < 24 or self._mm[:4] != GGUF_MAGIC:

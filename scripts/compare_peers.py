@@ -1,0 +1,177 @@
+"""spec-cli against llama.cpp (through llama-cpp-python) on the same GGUF, the same prompt tokens, in one process.
+
+Greedy decoding of every prompt of a built-in prompt set (chat template applied by spec-cli; llama.cpp gets the same
+token ids), interleaved round by round because this kind of machine drifts by tens of percent over minutes. Speed is
+generation only: tokens after the first one over the time after the first one (prompt processing excluded on both
+sides). Configurations:
+
+  spec-cli    plain, and speculative configurations given as TYPES:DRAFT_MAX (default: ngram-mod:16,
+              draft-simple:16, ngram-mod,draft-simple:16 and the same with draft-max auto)
+  llama.cpp   plain, and prompt-lookup decoding (llama-cpp-python's LlamaPromptLookupDecoding), when installed
+
+The last line is machine-readable: `spec-cli best / llama.cpp best: <ratio>x` (`n/a` without llama-cpp-python).
+
+    python scripts/compare_peers.py -m qwen2.5-coder-1.5b -md qwen2.5-coder-0.5b --prompts code-edit -n 128 -t 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from spec_cli.bench.prompts import load_prompt_set, render_tokens
+from spec_cli.engine import Engine, EngineOptions, build_chain, build_engine
+from spec_cli.models import resolve_model
+from spec_cli.sampling import SamplingParams
+from spec_cli.speculative.base import SpecParams
+from spec_cli.speculative.chain import parse_spec_types
+
+DEFAULT_SPECS = ("ngram-mod:16", "draft-simple:16", "ngram-mod,draft-simple:16",
+                 "ngram-mod:auto", "draft-simple:auto", "ngram-mod,draft-simple:auto")
+
+
+@dataclass
+class Run:
+    """One configuration on one prompt."""
+
+    n_tokens: int  # generated after the first token
+    seconds: float  # from the first token to the last
+    n_drafted: int = 0
+    n_accepted: int = 0
+
+
+@dataclass
+class Config:
+    backend: str  # "spec-cli" | "llama.cpp"
+    name: str
+    run: Callable[[list[int]], Run]
+    runs: list[list[Run]] = field(default_factory=list)  # per round, per prompt
+
+    def tok_s(self) -> float:
+        """Median over rounds of (all tokens / all time) over the prompt set."""
+        return statistics.median(sum(r.n_tokens for r in rnd) / sum(r.seconds for r in rnd) for rnd in self.runs)
+
+    def acceptance(self) -> float | None:
+        drafted = sum(r.n_drafted for rnd in self.runs for r in rnd)
+        return sum(r.n_accepted for rnd in self.runs for r in rnd) / drafted if drafted else None
+
+
+def spec_cli_runner(engine: Engine, types: list[str], draft_max, n_gen: int) -> Callable[[list[int]], Run]:
+    def run(prompt: list[int]) -> Run:
+        engine.spec.types, engine.spec.draft_max = types, draft_max
+        engine.reset()
+        engine.chain = build_chain(engine) if types else None  # cold n-gram state for every prompt
+        gen = engine.generator()
+        gen.start(0, prompt, SamplingParams(temp=0.0), n_gen)
+        s, t0 = gen.active[0], time.perf_counter()
+        n_first = s.n_generated
+        while not s.done:
+            gen.step()
+        seconds = time.perf_counter() - t0
+        gen.finish(0)
+        return Run(s.n_generated - n_first, seconds, s.n_drafted, s.n_accepted)
+
+    return run
+
+
+def parse_spec(text: str) -> tuple[list[str], int | str]:
+    types, _, draft_max = text.rpartition(":")
+    if not types:
+        raise SystemExit(f"--spec '{text}': expected TYPES:DRAFT_MAX, e.g. ngram-mod:16")
+    return parse_spec_types(types), draft_max if draft_max == "auto" else int(draft_max)
+
+
+def llama_cpp_runner(model_path: str, threads: int, n_ctx: int, n_gen: int, eog: set[int],
+                     lookup: bool) -> Callable[[list[int]], Run]:
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if lookup else None
+    llm = Llama(model_path=model_path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False,
+                draft_model=draft)
+
+    def run(prompt: list[int]) -> Run:
+        llm.reset()
+        n, t0 = 0, 0.0
+        for tok in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+            if tok in eog:
+                break
+            n += 1
+            if n == 1:
+                t0 = time.perf_counter()
+            if n >= n_gen:
+                break
+        return Run(n - 1, time.perf_counter() - t0)
+
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("-md", "--model-draft", default="qwen2.5-coder-0.5b", help="'' = no draft model")
+    ap.add_argument("--prompts", default="code-edit", help="built-in prompt set or .jsonl file")
+    ap.add_argument("--n-prompts", type=int, default=0, help="first N prompts of the set (0 = all)")
+    ap.add_argument("-n", "--n-gen", type=int, default=128)
+    ap.add_argument("-t", "--threads", type=int, default=2, help="for both engines")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--spec", action="append", help=f"TYPES:DRAFT_MAX, repeatable (default: {' '.join(DEFAULT_SPECS)})")
+    ap.add_argument("--json", action="store_true", help="also print the table as JSON")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    model_path = str(resolve_model(args.model))
+    draft_path = str(resolve_model(args.model_draft)) if args.model_draft else None
+    engine = build_engine(EngineOptions(model=model_path, model_draft=draft_path, n_ctx=4096, threads=args.threads,
+                                        spec=SpecParams(types=["draft-simple"] if draft_path else [])))
+    prompt_set = load_prompt_set(args.prompts)
+    prompts = [render_tokens(p, engine.tokenizer) for p in prompt_set.prompts[: args.n_prompts or None]]
+    specs = [parse_spec(s) for s in (args.spec or DEFAULT_SPECS)]
+    specs = [(t, dm) for t, dm in specs if draft_path or "draft-simple" not in t]
+
+    configs = [Config("spec-cli", "plain", spec_cli_runner(engine, [], 0, args.n_gen))]
+    configs += [Config("spec-cli", f"{','.join(t)} draft-max {dm}", spec_cli_runner(engine, t, dm, args.n_gen))
+                for t, dm in specs]
+    has_llama_cpp = importlib.util.find_spec("llama_cpp") is not None
+    if has_llama_cpp:
+        eog = set(engine.tokenizer.eog_ids)
+        configs.append(Config("llama.cpp", "plain", llama_cpp_runner(model_path, args.threads, 4096, args.n_gen, eog,
+                                                                     lookup=False)))
+        configs.append(Config("llama.cpp", "prompt lookup (10)", llama_cpp_runner(
+            model_path, args.threads, 4096, args.n_gen, eog, lookup=True)))
+
+    for rnd in range(args.rounds):
+        for cfg in configs:
+            cfg.runs.append([cfg.run(p) for p in prompts])
+            print(f"round {rnd + 1}/{args.rounds}  {cfg.backend:9s} {cfg.name:38s} {cfg.tok_s():7.2f} tok/s "
+                  "(running median)", flush=True)
+
+    base = configs[0].tok_s()
+    print(f"\n{args.model} (draft {args.model_draft or '-'}), prompt set {prompt_set.name} ({len(prompts)} prompts), "
+          f"{args.n_gen} tokens greedy, {args.threads} threads, median of {args.rounds} interleaved rounds")
+    print(f"{'backend':9s}  {'configuration':38s} {'tok/s':>7s} {'vs spec-cli plain':>18s} {'accept %':>9s}")
+    rows = []
+    for cfg in configs:
+        acc = cfg.acceptance()
+        rows.append({"backend": cfg.backend, "config": cfg.name, "tok_s": cfg.tok_s(), "acceptance": acc})
+        print(f"{cfg.backend:9s}  {cfg.name:38s} {cfg.tok_s():7.2f} {cfg.tok_s() / base:17.2f}x "
+              f"{'-' if acc is None else f'{100 * acc:.1f}':>9s}")
+    if args.json:
+        print(json.dumps(rows))
+    ours = max(c.tok_s() for c in configs if c.backend == "spec-cli")
+    theirs = [c.tok_s() for c in configs if c.backend == "llama.cpp"]
+    if not has_llama_cpp:
+        print("llama-cpp-python is not installed: `pip install llama-cpp-python` (builds llama.cpp from source)")
+    print(f"spec-cli best / llama.cpp best: {ours / max(theirs):.2f}x" if theirs else
+          "spec-cli best / llama.cpp best: n/a")
+
+
+if __name__ == "__main__":
+    main()
