@@ -32,6 +32,7 @@ from spec_cli.models import resolve_model
 from spec_cli.sampling import SamplingParams
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.chain import parse_spec_types
+from spec_cli.speculative.stats import DrafterStats
 
 DEFAULT_SPECS = ("ngram-mod:16", "draft-simple:16", "ngram-mod,draft-simple:16",
                  "ngram-mod:auto", "draft-simple:auto", "ngram-mod,draft-simple:auto")
@@ -43,8 +44,7 @@ class Run:
 
     n_tokens: int  # generated after the first token
     seconds: float  # from the first token to the last
-    n_drafted: int = 0
-    n_accepted: int = 0
+    stats: dict[str, DrafterStats] = field(default_factory=dict)  # per drafter (spec-cli only)
 
 
 @dataclass
@@ -58,9 +58,18 @@ class Config:
         """Median over rounds of (all tokens / all time) over the prompt set."""
         return statistics.median(sum(r.n_tokens for r in rnd) / sum(r.seconds for r in rnd) for rnd in self.runs)
 
+    def drafter_stats(self) -> dict[str, DrafterStats]:
+        """Counters pooled over every run (llama.cpp's pooled statistics, not means of ratios)."""
+        pooled: dict[str, DrafterStats] = {}
+        for r in (r for rnd in self.runs for r in rnd):
+            for name, st in r.stats.items():
+                pooled.setdefault(name, DrafterStats(name)).merge(st)
+        return pooled
+
     def acceptance(self) -> float | None:
-        drafted = sum(r.n_drafted for rnd in self.runs for r in rnd)
-        return sum(r.n_accepted for rnd in self.runs for r in rnd) / drafted if drafted else None
+        stats = self.drafter_stats().values()
+        drafted = sum(st.n_gen_tokens for st in stats)
+        return sum(st.n_acc_tokens for st in stats) / drafted if drafted else None
 
 
 def spec_cli_runner(engine: Engine, types: list[str], draft_max, n_gen: int) -> Callable[[list[int]], Run]:
@@ -68,6 +77,7 @@ def spec_cli_runner(engine: Engine, types: list[str], draft_max, n_gen: int) -> 
         engine.spec.types, engine.spec.draft_max = types, draft_max
         engine.reset()
         engine.chain = build_chain(engine) if types else None  # cold n-gram state for every prompt
+        engine.ctx.capture_hidden = "draft-mtp" in types  # only MTP reads the target's hidden states
         gen = engine.generator()
         gen.start(0, prompt, SamplingParams(temp=0.0), n_gen)
         s, t0 = gen.active[0], time.perf_counter()
@@ -76,7 +86,7 @@ def spec_cli_runner(engine: Engine, types: list[str], draft_max, n_gen: int) -> 
             gen.step()
         seconds = time.perf_counter() - t0
         gen.finish(0)
-        return Run(s.n_generated - n_first, seconds, s.n_drafted, s.n_accepted)
+        return Run(s.n_generated - n_first, seconds, dict(engine.chain.stats) if engine.chain else {})
 
     return run
 
@@ -123,24 +133,26 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=2, help="for both engines")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--spec", action="append", help=f"TYPES:DRAFT_MAX, repeatable (default: {' '.join(DEFAULT_SPECS)})")
+    ap.add_argument("--no-llama-cpp", action="store_true", help="spec-cli configurations only")
     ap.add_argument("--json", action="store_true", help="also print the table as JSON")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     model_path = str(resolve_model(args.model))
     draft_path = str(resolve_model(args.model_draft)) if args.model_draft else None
-    engine = build_engine(EngineOptions(model=model_path, model_draft=draft_path, n_ctx=4096, threads=args.threads,
-                                        spec=SpecParams(types=["draft-simple"] if draft_path else [])))
-    prompt_set = load_prompt_set(args.prompts)
-    prompts = [render_tokens(p, engine.tokenizer) for p in prompt_set.prompts[: args.n_prompts or None]]
     specs = [parse_spec(s) for s in (args.spec or DEFAULT_SPECS)]
     specs = [(t, dm) for t, dm in specs if draft_path or "draft-simple" not in t]
+    every_type = sorted({t for types, _ in specs for t in types})  # the engine loads what any configuration needs
+    engine = build_engine(EngineOptions(model=model_path, model_draft=draft_path, n_ctx=4096, threads=args.threads,
+                                        spec=SpecParams(types=every_type)))
+    prompt_set = load_prompt_set(args.prompts)
+    prompts = [render_tokens(p, engine.tokenizer) for p in prompt_set.prompts[: args.n_prompts or None]]
 
     configs = [Config("spec-cli", "plain", spec_cli_runner(engine, [], 0, args.n_gen))]
     configs += [Config("spec-cli", f"{','.join(t)} draft-max {dm}", spec_cli_runner(engine, t, dm, args.n_gen))
                 for t, dm in specs]
     has_llama_cpp = importlib.util.find_spec("llama_cpp") is not None
-    if has_llama_cpp:
+    if has_llama_cpp and not args.no_llama_cpp:
         eog = set(engine.tokenizer.eog_ids)
         configs.append(Config("llama.cpp", "plain", llama_cpp_runner(model_path, args.threads, 4096, args.n_gen, eog,
                                                                      lookup=False)))
@@ -163,11 +175,15 @@ def main() -> None:
         rows.append({"backend": cfg.backend, "config": cfg.name, "tok_s": cfg.tok_s(), "acceptance": acc})
         print(f"{cfg.backend:9s}  {cfg.name:38s} {cfg.tok_s():7.2f} {cfg.tok_s() / base:17.2f}x "
               f"{'-' if acc is None else f'{100 * acc:.1f}':>9s}")
+    for cfg in configs:
+        for st in cfg.drafter_stats().values():
+            print(f"{cfg.name:38s} {st.name:12s} mean acc len {st.mean_acc_len:5.2f}, acc rate/pos "
+                  f"({', '.join(f'{r:.3f}' for r in st.acc_rate_per_pos[:8])})")
     if args.json:
         print(json.dumps(rows))
     ours = max(c.tok_s() for c in configs if c.backend == "spec-cli")
     theirs = [c.tok_s() for c in configs if c.backend == "llama.cpp"]
-    if not has_llama_cpp:
+    if not has_llama_cpp and not args.no_llama_cpp:
         print("llama-cpp-python is not installed: `pip install llama-cpp-python` (builds llama.cpp from source)")
     print(f"spec-cli best / llama.cpp best: {ours / max(theirs):.2f}x" if theirs else
           "spec-cli best / llama.cpp best: n/a")
