@@ -57,6 +57,13 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def select_rows(self, ids: torch.Tensor) -> "Linear":
+        """The layer restricted to output rows `ids` (a draft vocabulary): y[..., i] = full y[..., ids[i]]."""
+        sub = Linear(0, 0)
+        sub.weight = nn.Parameter(self.weight[ids], requires_grad=False)
+        sub.bias = None if self.bias is None else nn.Parameter(self.bias[ids], requires_grad=False)
+        return sub
+
 
 def rope_tables(positions: torch.Tensor, dim: int, base: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     # positions [G, T] -> cos, sin [G, 1, T, dim/2] (broadcast over heads)

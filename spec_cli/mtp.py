@@ -42,6 +42,7 @@ from spec_cli.model import (
     Transformer,
     rope_tables,
 )
+from spec_cli.qlinear import Int8Linear, fuse_block_projections
 from spec_cli.quants import load_tensor
 
 # GGUF suffix (after "blk.{il}.") -> attribute path inside MTPHead
@@ -53,7 +54,9 @@ NEXTN_NAMES = {
     "nextn.shared_head_norm.weight": "head_norm.weight",
     "nextn.shared_head_head.weight": "head.weight",
 }
-_OPTIONAL = {"embed", "head_norm", "head"}  # NextN parts that fall back to the target's when absent
+_OPTIONAL = {"embed", "head_norm", "head"}
+# spec-cli's own key (llama.cpp ignores it): the token ids the head drafts among, most frequent first (mtp-train)
+DRAFT_VOCAB_KEY = "spec_cli.nextn_draft_vocab"  # NextN parts that fall back to the target's when absent
 
 
 class MTPHead(nn.Module):
@@ -72,6 +75,8 @@ class MTPHead(nn.Module):
         self.head_norm = RMSNorm(d, cfg.rms_eps) if "head_norm" in own else None
         self.head = Linear(d, cfg.n_vocab) if "head" in own else None
         object.__setattr__(self, "target", target)  # shared, frozen: not a submodule
+        object.__setattr__(self, "draft_out", None)  # the output rows of the draft vocabulary (set_draft_vocab)
+        self.draft_vocab: torch.Tensor | None = None  # [n] token ids, or None = the whole vocabulary
         self.device = target.layer_devices[-1] if target.layer_devices else torch.device("cpu")
         self.dtype = target.dtype
 
@@ -85,7 +90,7 @@ class MTPHead(nn.Module):
         """tokens [G, T], prev [G, T, D] (target hidden at p-1) -> head pre-norm hidden [G, T, D]."""
         e = self.enorm(self.embed_tokens(tokens).to(self.dtype))  # [G, T, D]
         h = self.hnorm(prev.to(self.dtype))  # [G, T, D]
-        x = self.eh_proj(torch.cat((e, h), dim=-1).to(self.eh_proj.weight.dtype))  # [G, T, D]
+        x = self.eh_proj(torch.cat((e, h), dim=-1).to(self.dtype))  # [G, T, D] (norms compute in float32)
         return self.block(x, plan, rope, k_cache, v_cache)
 
     def normed(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -96,9 +101,29 @@ class MTPHead(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., D] (pre-norm) -> logits [..., V] float32."""
-        h = self.normed(hidden)
+        return self._project(self.head if self.head is not None else self.target.output, hidden)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., D] -> logits over the draft vocabulary [..., len(draft_vocab)] (all V rows without one);
+        row i of the result is token draft_vocab[i]."""
+        if self.draft_out is None:
+            return self.logits(hidden)
+        return self._project(self.draft_out, hidden)
+
+    def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
+        """Draft only among `ids` (the most frequent tokens): the output matrix is most of a head's cost per drafted
+        token (151,936 rows for qwen2.5), and a draft outside the set is merely rejected. Needs an output layer whose
+        rows can be selected (float or int8; an int4-packed output keeps the full vocabulary)."""
         out = self.head if self.head is not None else self.target.output
-        return out(h.to(out.weight.device, out.weight.dtype)).float()
+        draft_out = None
+        if ids is not None and hasattr(out, "select_rows"):
+            draft_out = out.select_rows(ids.to(out.weight.device, torch.long))
+        object.__setattr__(self, "draft_out", draft_out)  # derived from shared weights: not the head's own
+        self.draft_vocab = None if draft_out is None else ids.to(self.device, torch.long)
+
+    def _project(self, out: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        device = self.device if out is not self.target.output else self.target.output_device
+        return out(self.normed(hidden).to(device, self.dtype)).float()
 
     def own_tensors(self) -> dict[str, torch.Tensor]:
         """GGUF suffix (after blk.{il}.) -> tensor, for every parameter the head owns."""
@@ -139,7 +164,25 @@ def load_mtp_head(loaded: LoadedModel) -> MTPHead | None:
     missing = [n for n, p in head.named_parameters() if p.is_meta]
     if missing:
         raise SpecCliError(f"{gf.path.name}: NextN layer {layer} is missing tensors for {', '.join(missing[:5])}")
+    if loaded.weights == "q" and head.device.type == "cpu":
+        _quantize(head)
+    draft_vocab = gf.get(DRAFT_VOCAB_KEY)
+    if draft_vocab:
+        if min(draft_vocab) < 0 or max(draft_vocab) >= cfg.n_vocab:
+            raise SpecCliError(f"{gf.path.name}: {DRAFT_VOCAB_KEY} holds token ids outside the vocabulary")
+        head.set_draft_vocab(torch.tensor(draft_vocab, dtype=torch.long))
     return head.eval()
+
+
+def _quantize(head: MTPHead) -> None:
+    """With the target's weights kept quantized (`--dtype q`), the head's float linears become int8 too (its block
+    and eh_proj are ~17M float32 weights for qwen2.5-coder-0.5b: 66 MB read per drafted token, as much as the
+    rest of the head)."""
+    for name, module in list(head.named_modules()):
+        if isinstance(module, Linear):
+            parent, _, leaf = name.rpartition(".")
+            setattr(head.get_submodule(parent), leaf, Int8Linear.from_float(module.weight, module.bias))
+    fuse_block_projections(head.block)
 
 
 class _HeadRunner(nn.Module):
@@ -167,7 +210,7 @@ class _HeadRunner(nn.Module):
         return self.head(tokens, prev.view(G, T, -1), plan, rope, k_cache, v_cache)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head.logits(hidden)
+        return self.head.draft_logits(hidden)  # drafting is all this context decodes for
 
 
 class MTPContext(Context):
@@ -189,11 +232,13 @@ class MTPContext(Context):
 
 
 
-def write_gguf_with_head(src: str | Path, dst: str | Path, head_tensors: dict[str, np.ndarray]) -> Path:
+def write_gguf_with_head(src: str | Path, dst: str | Path, head_tensors: dict[str, np.ndarray],
+                         draft_vocab: list[int] | None = None) -> Path:
     """dst = src (every metadata key with its GGUF type, every tensor's raw bytes as they are) + one NextN block.
 
     `head_tensors` maps the suffix after "blk.{il}." (e.g. "nextn.eh_proj.weight", "attn_q.weight") to float32
     arrays in torch order; il = the source's block_count, which is incremented, and nextn_predict_layers = 1.
+    `draft_vocab`: the token ids the head drafts among (DRAFT_VOCAB_KEY), None = the whole vocabulary.
     """
     arch = GGUFFile(src).architecture
     reader = gguf.GGUFReader(str(src))
@@ -214,6 +259,8 @@ def write_gguf_with_head(src: str | Path, dst: str | Path, head_tensors: dict[st
             sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
             writer.add_key_value(key, value, field.types[0], sub_type)
     writer.add_uint32(nextn_key, 1)
+    if draft_vocab:
+        writer.add_array(DRAFT_VOCAB_KEY, [int(t) for t in draft_vocab])
     for t in reader.tensors:
         writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
     for suffix, arr in head_tensors.items():

@@ -71,6 +71,7 @@ class TrainConfig:
     cos_weight: float = 1.0
     ridge: float = 1e-2  # relative L2 regularisation of the eh_proj least-squares init
     checkpoint_every: int = 50
+    draft_vocab: int = 32768  # tokens the head drafts among (most frequent in the training data); 0 = all
     seed: int = 0
 
 
@@ -476,10 +477,21 @@ def train(loaded: LoadedModel, out_path: str | Path, cfg: TrainConfig, progress:
     acc_after = acceptance_estimate(head, held, cfg.batch)
     if progress:
         progress(Progress("eval", 1, 1, {"acceptance": acc_after}))
-    write_gguf_with_head(loaded.gguf.path, out_path, head_arrays(head))
+    vocab = draft_vocabulary(feats.tokens, loaded.config.n_vocab, cfg.draft_vocab)
+    write_gguf_with_head(loaded.gguf.path, out_path, head_arrays(head), vocab)
     return TrainResult(out_path, len(losses), feats.tokens.numel(), cfg.gen_tokens // cfg.seq_len * cfg.seq_len,
                        held.tokens.numel(), time.perf_counter() - t0, losses[0] if losses else None,
                        losses[-1] if losses else None, acc_before, acc_after)
+
+
+def draft_vocabulary(tokens: torch.Tensor, n_vocab: int, size: int) -> list[int] | None:
+    """The `size` most frequent token ids of the training data (ties and unseen tokens by id: BPE ids follow merge
+    order, roughly frequency), or None for the whole vocabulary. Drafting among 32k of qwen2.5's 152k tokens makes
+    the head's output product 4.6x cheaper; the tokens left out are rare, and a draft can only be rejected."""
+    if size <= 0 or size >= n_vocab:
+        return None
+    counts = torch.bincount(tokens.flatten(), minlength=n_vocab)
+    return torch.argsort(-counts, stable=True)[:size].tolist()
 
 
 def head_arrays(head: MTPHead) -> dict[str, np.ndarray]:

@@ -153,20 +153,22 @@ class Int8Linear(nn.Module):
     @classmethod
     def from_gguf(cls, raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, int],
                   bias: nn.Parameter | None = None) -> "Int8Linear":
-        """Re-quantize the exact float32 values, a few rows at a time (a chunk's floats stay in cache)."""
+        """Re-quantize the exact float32 values of GGUF blocks."""
         N, K = shape
         row_bytes = raw.numel() // N
-        weight = torch.empty(N, K, dtype=torch.int8)
-        scales = torch.empty(N, dtype=torch.bfloat16)
-        step = max(1, (1 << 17) // K)
-        for r0 in range(0, N, step):
-            n = min(step, N - r0)
-            w = dequantize(raw[r0 * row_bytes : (r0 + n) * row_bytes], qtype, (n, K))  # [n, K] float32
-            # a bfloat16 scale rounded up, so |w| / scale <= 127
-            s = _round_up_bf16(w.abs().amax(dim=1).div_(127).clamp_(min=torch.finfo(torch.float32).tiny))
-            scales[r0 : r0 + n] = s
-            weight[r0 : r0 + n] = w.div_(s.float()[:, None]).round_()
-        return cls(weight, scales, bias)
+        chunk = lambda r0, n: dequantize(raw[r0 * row_bytes : (r0 + n) * row_bytes], qtype, (n, K))  # noqa: E731
+        return cls(*_requantize(N, K, chunk), bias)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: nn.Parameter | None = None) -> "Int8Linear":
+        """Quantize a float weight [N, K] (e.g. a distilled MTP head's block, stored as float32 in its GGUF)."""
+        N, K = weight.shape
+        return cls(*_requantize(N, K, lambda r0, n: weight[r0 : r0 + n].float()), bias)
+
+    def select_rows(self, ids: torch.Tensor) -> "Int8Linear":
+        """The layer restricted to output rows `ids` (a draft vocabulary): y[..., i] = full y[..., ids[i]]."""
+        bias = None if self.bias is None else nn.Parameter(self.bias[ids], requires_grad=False)
+        return Int8Linear(self.weight[ids].contiguous(), self.scales[ids].contiguous(), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.n_in).to(torch.bfloat16)  # [M, K]
@@ -174,6 +176,21 @@ class Int8Linear(nn.Module):
         if self.bias is not None:
             y += self.bias
         return y.view(*x.shape[:-1], self.n_out)
+
+
+def _requantize(N: int, K: int, rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 weight [N, K] and bfloat16 scales [N] from float32 rows given by `rows(r0, n)`, a few rows at a time
+    (a chunk's floats stay in cache). Each scale is rounded UP to bfloat16, so |w| / scale <= 127."""
+    weight = torch.empty(N, K, dtype=torch.int8)
+    scales = torch.empty(N, dtype=torch.bfloat16)
+    step = max(1, (1 << 17) // K)
+    for r0 in range(0, N, step):
+        n = min(step, N - r0)
+        w = rows(r0, n)  # [n, K] float32
+        s = _round_up_bf16(w.abs().amax(dim=1).div_(127).clamp_(min=torch.finfo(torch.float32).tiny))
+        scales[r0 : r0 + n] = s
+        weight[r0 : r0 + n] = (w / s.float()[:, None]).round_()
+    return weight, scales
 
 
 def _round_up_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -232,15 +249,20 @@ def fuse_projections(model: nn.Module) -> None:
     model.FeedForward.gate_up) where at least two of the quantized layers can share one product; the parts
     are dropped (their weights live on in the product)."""
     for block in model.layers:
-        for owner, names, attr in ((block.attn, ("wq", "wk", "wv"), "qkv"), (block.ffn, ("w_gate", "w_up"), "gate_up")):
-            parts = [getattr(owner, n) for n in names]
-            if not all(isinstance(m, (Int4Linear, Int8Linear)) for m in parts):
-                continue
-            fused = Fused(parts)
-            if len(fused.products) < len(parts):
-                setattr(owner, attr, fused)
-                for n in names:
-                    setattr(owner, n, None)
+        fuse_block_projections(block)
+
+
+def fuse_block_projections(block: nn.Module) -> None:
+    """fuse_projections for one block (model.Block)."""
+    for owner, names, attr in ((block.attn, ("wq", "wk", "wv"), "qkv"), (block.ffn, ("w_gate", "w_up"), "gate_up")):
+        parts = [getattr(owner, n) for n in names]
+        if not all(isinstance(m, (Int4Linear, Int8Linear)) for m in parts):
+            continue
+        fused = Fused(parts)
+        if len(fused.products) < len(parts):
+            setattr(owner, attr, fused)
+            for n in names:
+                setattr(owner, n, None)
 
 
 INT4_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})

@@ -18,9 +18,11 @@ from spec_cli.engine import EngineOptions, build_engine
 from spec_cli.generate import generate
 from spec_cli.gguf_file import GGUFFile
 from spec_cli.loader import load_model
+from spec_cli import mtp as mtp_module
 from spec_cli.mtp import MTPContext, load_mtp_head
 from spec_cli.mtp_train import (
     TrainConfig,
+    draft_vocabulary,
     generation_prompts,
     head_forward,
     prompt_set_files,
@@ -28,6 +30,7 @@ from spec_cli.mtp_train import (
     token_windows,
     train,
 )
+from spec_cli.qlinear import Int8Linear
 from spec_cli.sampling import SamplingParams
 from spec_cli.speculative import mtp as mtp_drafter
 from spec_cli.speculative.base import DraftParams, SpecParams
@@ -214,13 +217,64 @@ def test_greedy_speculation_equals_plain(mtp_path, plain_outputs, chain, n_seq):
     assert max(len(stats.n_gen_tokens_per_pos), 1) <= 3  # MTP's own default length cap, below --draft-max 6
 
 
+# --- the light head on the CPU: int8 linears, a draft vocabulary ---------------------------------------------
+
+
+def drafted_tokens(engine) -> list[int]:
+    calls = record_drafts(engine)
+    run_all(engine, PROMPTS)
+    return [t for _, _, drafted in calls for t in drafted]
+
+
+def test_draft_vocabulary_maps_rows_back_to_token_ids(tmp_path, plain_outputs, mtp_path):
+    """A shuffled whole vocabulary must draft exactly what no vocabulary drafts (row i is token vocab[i]); a
+    half vocabulary drafts only its own tokens and stays lossless."""
+    n_vocab = load_model(mtp_path, device="cpu").config.n_vocab
+    shuffled = torch.randperm(n_vocab, generator=torch.Generator().manual_seed(0)).tolist()
+    everything = drafted_tokens(make_engine(mtp_path, "draft-mtp", n_seq=4))
+    path = write_tiny_mtp_gguf(tmp_path / "shuffled.gguf", draft_vocab=shuffled)
+    assert GGUFFile(path).metadata["spec_cli.nextn_draft_vocab"] == shuffled
+    assert drafted_tokens(make_engine(path, "draft-mtp", n_seq=4)) == everything
+
+    half = sorted(set(shuffled[: n_vocab // 2]) | {everything[0]})
+    engine = make_engine(write_tiny_mtp_gguf(tmp_path / "half.gguf", draft_vocab=half), "draft-mtp", n_seq=4)
+    drafted = drafted_tokens(engine)
+    assert drafted and set(drafted) <= set(half) and set(everything) - set(half)
+    assert run_all(engine, PROMPTS) == plain_outputs
+
+
+def test_bad_draft_vocabulary_is_a_clear_error(tmp_path):
+    from spec_cli.errors import SpecCliError
+
+    path = write_tiny_mtp_gguf(tmp_path / "bad.gguf", draft_vocab=[1, 2, 10**6])
+    with pytest.raises(SpecCliError, match="outside the vocabulary"):
+        load_mtp_head(load_model(path, device="cpu"))
+
+
+def test_int8_head_and_output_draft_like_the_float_head(mtp_path, plain_outputs):
+    """What `--dtype q` gives the head: int8 block and eh_proj (mtp._quantize), and an int8 output matrix shared
+    with the target. Logits stay close to float32, and greedy speculation stays lossless."""
+    engine = make_engine(mtp_path, "draft-mtp", n_seq=4)
+    head = engine.chain.drafters[-1].ctx.head
+    tokens, prev = torch.tensor([PROMPTS[0]]), torch.randn(1, len(PROMPTS[0]), head.cfg.n_embd)
+    with torch.no_grad():
+        reference = head.logits(head_forward(head, tokens, prev))
+        mtp_module._quantize(head)
+        engine.target.model.output = Int8Linear.from_float(engine.target.model.output.weight)
+        quantized = head.logits(head_forward(head, tokens, prev))
+    assert any(isinstance(m, Int8Linear) for m in head.block.modules())
+    assert float((quantized - reference).abs().max()) < 0.05 * float(reference.abs().max())
+    assert run_all(engine, PROMPTS) == plain_outputs
+    assert engine.chain.stats["draft-mtp"].n_acc_tokens > 0
+
+
 # --- distillation -------------------------------------------------------------------------------------------
 
 
 def test_training_lowers_the_loss_and_round_trips(tiny_model_path, tmp_path):
     target = load_model(tiny_model_path, device="cpu")
     cfg = TrainConfig(steps=30, lr=3e-3, seq_len=32, batch=8, data_tokens=32 * 24, gen_tokens=32 * 4,
-                      eval_tokens=32 * 4, checkpoint_every=10)
+                      eval_tokens=32 * 4, checkpoint_every=10, draft_vocab=100)
     losses = []
     out = tmp_path / "tiny-trained-mtp.gguf"
     result = train(target, out, cfg, lambda p: losses.append(p.info["loss"]) if p.stage == "train" else None)
@@ -229,6 +283,7 @@ def test_training_lowers_the_loss_and_round_trips(tiny_model_path, tmp_path):
 
     lm = load_model(out, device="cpu")
     assert (lm.config.n_layer_main, lm.config.n_nextn) == (target.config.n_layer, 1)
+    assert load_mtp_head(lm).draft_vocab.shape == (100,)
     trained = torch.load(out.with_suffix(".ckpt.pt"))["head"]
     loaded = load_mtp_head(lm).state_dict()
     assert trained.keys() == loaded.keys()
@@ -240,6 +295,12 @@ def test_training_lowers_the_loss_and_round_trips(tiny_model_path, tmp_path):
         assert run_all(engine, [prompt]) == run_all(plain, [prompt])
     assert engine.chain.stats["draft-mtp"].n_gen_tokens > 0
 
+
+
+def test_draft_vocabulary_is_the_most_frequent_tokens_then_by_id():
+    tokens = torch.tensor([[5, 5, 5, 2, 2, 9], [9, 11, 2, 5, 3, 3]])
+    assert draft_vocabulary(tokens, 12, 6) == [5, 2, 3, 9, 11, 0]
+    assert draft_vocabulary(tokens, 12, 0) is None and draft_vocabulary(tokens, 12, 12) is None
 
 
 def test_training_data_leaves_out_prompt_set_sources(tiny_model_path):

@@ -19,7 +19,7 @@ from tests.tiny_gguf import write_tiny_gguf
 
 
 def write_tiny_mtp_gguf(path: Path, seed: int = 0, hidden_scale: float = 0.5, own_embed: bool = False,
-                        own_head_norm: bool = True) -> Path:
+                        own_head_norm: bool = True, draft_vocab: list[int] | None = None) -> Path:
     """The model without the head is written next to `path` as <stem>-base.gguf."""
     path = Path(path)
     base = write_tiny_gguf(path.with_name(path.stem + "-base.gguf"), arch="llama", seed=seed, n_layer=1)
@@ -36,4 +36,4 @@ def write_tiny_mtp_gguf(path: Path, seed: int = 0, hidden_scale: float = 0.5, ow
         head["nextn.shared_head_norm.weight"] = read("output_norm.weight")
     if own_embed:
         head["nextn.embed_tokens.weight"] = read("token_embd.weight")
-    return write_gguf_with_head(base, path, head)
+    return write_gguf_with_head(base, path, head, draft_vocab)

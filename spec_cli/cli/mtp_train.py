@@ -40,6 +40,8 @@ def mtp_train(
                                     help="held-out tokens for the acceptance estimate"),
     checkpoint_every: int = typer.Option(_DEFAULTS.checkpoint_every, "--checkpoint-every",
                                          help="steps between checkpoints (OUTPUT's name with .ckpt.pt)"),
+    draft_vocab: int = typer.Option(_DEFAULTS.draft_vocab, "--draft-vocab",
+                                    help="tokens the head drafts among, the training data's most frequent (0 = all)"),
     resume: bool = typer.Option(False, "--resume", help="continue from OUTPUT's checkpoint and cached features"),
     seed: int = typer.Option(_DEFAULTS.seed, "-s", "--seed", help="data order and initialisation seed"),
     device: str = typer.Option("auto", "-dev", "--device", help="auto (CUDA when present) | cpu | cuda | cuda:N"),
@@ -51,12 +53,15 @@ def mtp_train(
                         ("--eval-tokens", eval_tokens), ("--checkpoint-every", checkpoint_every)):
         if value < 1:
             raise UsageError(f"{name} must be at least 1")
+    if draft_vocab < 0:
+        raise UsageError("--draft-vocab must be >= 0")
     if lr <= 0 or gen_tokens < 0 or gen_tokens > data_tokens:
         raise UsageError("--lr must be positive and 0 <= --gen-tokens <= --data-tokens")
     if threads:
         torch.set_num_threads(threads)
     cfg = TrainConfig(steps=steps, lr=lr, seq_len=seq_len, batch=batch, data_tokens=data_tokens, gen_tokens=gen_tokens,
-                      eval_tokens=eval_tokens, checkpoint_every=checkpoint_every, seed=seed)
+                      eval_tokens=eval_tokens, checkpoint_every=checkpoint_every, seed=seed,
+                      draft_vocab=draft_vocab)
     stderr.print(f"loading {model or 'the default model'} ...")
     loaded = load_model(resolve(model), device, dtype="f32" if parse_device(device).type == "cpu" else "auto")
     with Progress(TextColumn("{task.description:<13}"), BarColumn(bar_width=24), MofNCompleteColumn(), TimeElapsedColumn(),

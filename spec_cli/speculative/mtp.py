@@ -103,7 +103,9 @@ class MTPDrafter:
             flagged = [i for i, f in enumerate(batch.logits) if f]
             top = torch.topk(logits, min(DRAFT_TOP_K, logits.shape[-1]), dim=-1)
             p_top = torch.softmax(top.values, dim=-1)[:, 0].tolist()  # top-1 probability under the top-k softmax
-            ids = top.indices[:, 0].tolist()
+            best = top.indices[:, 0]
+            vocab = self.ctx.head.draft_vocab  # logits rows are draft-vocabulary entries when the head has one
+            ids = (best if vocab is None else vocab[best]).tolist()
             step, fed_seqs, fed_pos, fed_rows = Batch(), [], [], []
             for k, i in enumerate(flagged):
                 seq, pos = batch.seq_ids[i], batch.pos[i]
