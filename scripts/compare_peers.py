@@ -1,9 +1,9 @@
 """spec-cli against llama.cpp (through llama-cpp-python) on the same GGUF, the same prompt tokens, in one process.
 
 Greedy decoding of every prompt of a built-in prompt set (chat template applied by spec-cli; llama.cpp gets the same
-token ids), interleaved round by round because this kind of machine drifts by tens of percent over minutes. Speed is
-generation only: tokens after the first one over the time after the first one (prompt processing excluded on both
-sides). Configurations:
+token ids), every configuration back to back on each prompt, because this kind of machine drifts by tens of percent
+over minutes. Speed is generation only: tokens after the first one over the time after the first one (prompt
+processing excluded on both sides). Configurations:
 
   spec-cli    plain, and speculative configurations given as TYPES:DRAFT_MAX (default: ngram-mod:16,
               draft-simple:16, ngram-mod,draft-simple:16 and the same with draft-max auto)
@@ -161,7 +161,11 @@ def main() -> None:
 
     for rnd in range(args.rounds):
         for cfg in configs:
-            cfg.runs.append([cfg.run(p) for p in prompts])
+            cfg.runs.append([])
+        for prompt in prompts:  # every configuration back to back on each prompt: drift hits them alike
+            for cfg in configs:
+                cfg.runs[-1].append(cfg.run(prompt))
+        for cfg in configs:
             print(f"round {rnd + 1}/{args.rounds}  {cfg.backend:9s} {cfg.name:38s} {cfg.tok_s():7.2f} tok/s "
                   "(running median)", flush=True)
 
