@@ -32,10 +32,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spec_cli.batch import Batch  # noqa: E402
-from spec_cli.bench.verify_cost import break_even_acceptance, time_forwards  # noqa: E402
+from spec_cli.bench.verify_cost import break_even_acceptance  # noqa: E402
 from spec_cli.engine import EngineOptions, build_engine  # noqa: E402
 from spec_cli.generate import generate  # noqa: E402
 from spec_cli.sampling import SamplingParams  # noqa: E402
+from spec_cli.speculative.adaptive import time_forwards  # noqa: E402
 
 MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
 # llama.cpp on this machine kind, 2 threads, tg128 tokens/s: (llama-bench, llama-cpp-python)
@@ -95,10 +96,10 @@ def measure_model(model: str, args) -> dict:
         for d in dtypes:
             prefill(engines[d], args.depth)
             verify[d] = {k: [] for k in range(1, args.k_max + 1)}
-            time_forwards(engines[d].ctx, args.depth, args.k_max, 1, rng, lambda: None)  # warm-up
+            time_forwards(engines[d].ctx, 0, range(1, args.k_max + 1), 1, rng, lambda: None)  # warm-up
         for _ in range(args.reps):
             for d in dtypes:
-                for k, ns in time_forwards(engines[d].ctx, args.depth, args.k_max, 1, rng, lambda: None).items():
+                for k, ns in time_forwards(engines[d].ctx, 0, range(1, args.k_max + 1), 1, rng, lambda: None).items():
                     verify[d][k] += ns
     for d in dtypes:
         entry = {"load_ms": loads[d], "load_ms_median": statistics.median(loads[d]), "tg_tps": tps[d],

@@ -15,6 +15,7 @@ from spec_cli.context import Context
 from spec_cli.errors import SpecCliError, UsageError
 from spec_cli.generate import Generator
 from spec_cli.loader import LoadedModel, load_model
+from spec_cli.speculative.adaptive import CostModel, Planner
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.chain import MODEL_TYPES, PRIORITY, Chain
 from spec_cli.speculative.mtp import MTPDrafter
@@ -51,13 +52,15 @@ class Engine:
     draft: LoadedModel | None = None
     draft_ctx: Context | None = None
     mtp_ctx: Context | None = None  # the target's NextN head with its own KV (draft-mtp)
+    costs: CostModel = field(default_factory=CostModel)  # --draft-max auto: the target's verify cost, calibrated once
 
     @property
     def eog_ids(self) -> set[int]:
         return set(self.tokenizer.eog_ids)
 
     def generator(self) -> Generator:
-        return Generator(self.ctx, self.eog_ids, self.chain, self.spec.draft_max, self.spec.verify)
+        planner = self.chain.planner if self.chain is not None else None
+        return Generator(self.ctx, self.eog_ids, self.chain, self.spec.draft_max, self.spec.verify, planner)
 
     def reset(self) -> None:
         """Empty every KV cache (a fresh run; n-gram state is reset per request by `begin`)."""
@@ -105,7 +108,8 @@ def build_engine(opts: EngineOptions) -> Engine:
 
 
 def build_chain(engine: Engine) -> Chain | None:
-    """Fresh drafters (empty n-gram state) for the engine's spec types, in llama.cpp's priority order."""
+    """Fresh drafters (empty n-gram state) for the engine's spec types, in llama.cpp's priority order; with
+    --draft-max auto, a fresh planner for them on the engine's cost model."""
     spec, n_seq = engine.spec, engine.ctx.n_seq
     drafters = []
     for name in PRIORITY:
@@ -119,4 +123,6 @@ def build_chain(engine: Engine) -> Chain | None:
             drafters.append(MTPDrafter(engine.mtp_ctx, engine.ctx, spec, n_seq))
         elif name not in MODEL_TYPES:
             drafters.append(NGRAM_DRAFTERS[name](spec, n_seq))
-    return Chain(drafters, n_seq) if drafters else None
+    if not drafters:
+        return None
+    return Chain(drafters, n_seq, Planner(engine.costs, spec.draft_max) if spec.adaptive else None)

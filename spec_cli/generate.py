@@ -4,6 +4,8 @@ Per step, for all active sequences at once: draft budget -> one chain.draft call
 [id_last] + draft of every sequence -> verify per sequence -> roll back the rejected tail (seq_rm on the
 target; drafters trim their own contexts) -> chain.accept -> emit tokens, stop conditions checked per token.
 `id_last` is the last token sampled by the target and is never in the KV cache until the next decode.
+With an adaptive planner (--draft-max auto, speculative/adaptive.py) the planner caps what each drafter may draft,
+each draft is cut to its planned length before the verify batch, and acceptance and timings flow back to it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from spec_cli.batch import Batch
 from spec_cli.context import Context
 from spec_cli.errors import SpecCliError
 from spec_cli.sampling import Sampler, SamplingParams
+from spec_cli.speculative.adaptive import Planner
 from spec_cli.speculative.base import DraftParams
 from spec_cli.speculative.chain import Chain
 from spec_cli.speculative.verify import choose_mode, verify_match, verify_rejection
@@ -84,12 +87,13 @@ class Generator:
     """Bookkeeping over the target context, the tokenizer's end-of-generation ids and the drafter chain."""
 
     def __init__(self, target: Context, eog_ids: set[int], chain: Chain | None = None, draft_max: int = 16,
-                 verify: str = "auto"):
+                 verify: str = "auto", planner: Planner | None = None):
         self.target = target
         self.eog_ids = eog_ids
         self.chain = chain
         self.draft_max = draft_max
         self.verify = verify
+        self.planner = planner if chain is not None else None
         self.active: dict[int, Sequence] = {}
         self.timings = Timings()
 
@@ -137,14 +141,18 @@ class Generator:
         seqs = [s for s in self.active.values() if not s.done]
         if not seqs:
             return []
+        if self.planner is not None and not self.planner.costs.calibrated:
+            self.planner.costs.calibrate(self.target, seqs[0].seq)  # once per engine, at a real depth
         t0 = time.perf_counter()
         params = self._draft(seqs)
         t1 = time.perf_counter()
         batch = Batch()
         rows: dict[int, int] = {}
+        longest = 1
         for s in seqs:
             rows[s.seq] = len(batch)
             draft = params[s.seq].result if s.seq in params else []
+            longest = max(longest, 1 + len(draft))
             for i, tok in enumerate([s.id_last] + draft):
                 batch.add(tok, s.n_past + i, s.seq, True)
         out = self.target.decode(batch)
@@ -160,7 +168,10 @@ class Generator:
             n_acc = len(ids) - 1
             self.target.seq_rm(s.seq, s.n_past + len(ids))  # keep id_last + accepted drafts
             if self.chain and p is not None:
-                self.chain.accept(s.seq, n_acc)
+                winner = self.chain.winner(s.seq)
+                if self.planner is not None and winner is not None:
+                    self.planner.observe_accept(winner, len(draft), n_acc)
+                self.chain.accept(s.seq, len(draft), n_acc)
             s.n_steps += 1
             s.n_drafted += len(draft)
             s.n_accepted += n_acc
@@ -168,6 +179,8 @@ class Generator:
             s.tokens.extend(ids[:-1])
             emitted.append(self._emit(s, ids, n_acc))
         t3 = time.perf_counter()
+        if self.planner is not None:
+            self.planner.observe_step(len(seqs) * longest, t3 - t1)  # context.py pads every sequence to `longest`
         tm = self.timings
         tm.t_draft_ms += (t1 - t0) * 1000
         tm.t_verify_ms += (t2 - t1) * 1000
@@ -204,8 +217,21 @@ class Generator:
             if any(s.spec.types is not None for s in seqs):
                 every = set(self.chain.names)
                 enabled = {s.seq: every if s.spec.types is None else s.spec.types for s in seqs}
-            self.chain.draft(list(params.values()), enabled)
+            caps = self.planner.drafting_caps(self.chain.names, len(seqs)) if self.planner is not None else None
+            spent = self.chain.draft(list(params.values()), enabled, caps)
+            if self.planner is not None:
+                self._cut_to_plan(seqs, params, spent)
         return params
+
+    def _cut_to_plan(self, seqs: list[Sequence], params: dict[int, DraftParams], spent: dict[str, float]) -> None:
+        """Adaptive draft length: tell the planner what drafting cost, then cut every draft to its planned length."""
+        winners = [self.chain.winner(s.seq) for s in seqs]
+        lengths = [len(params[s.seq].result) if s.seq in params else 0 for s in seqs]
+        for name, seconds in spent.items():
+            self.planner.observe_drafting(name, seconds, sum(n for w, n in zip(winners, lengths) if w == name))
+        for s, n, k in zip(seqs, lengths, self.planner.plan(list(zip(winners, lengths)), sum(spent.values()))):
+            if k < n:
+                self.chain.cut(params[s.seq], k)
 
     def _verify(self, s: Sequence, logits, draft: list[int], draft_probs) -> list[int]:
         mode = choose_mode(self.verify, draft_probs is not None, s.sampler.params.greedy)

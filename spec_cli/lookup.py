@@ -15,6 +15,7 @@ from spec_cli.engine import Engine, build_chain, resolve
 from spec_cli.errors import SpecCliError, UsageError
 from spec_cli.generate import Sequence
 from spec_cli.gguf_file import GGUFFile
+from spec_cli.speculative.adaptive import AUTO
 from spec_cli.speculative.base import DraftParams
 from spec_cli.speculative.ngram_cache import (
     NGRAM_STATIC, NgramCache, NgramCacheDrafter, load_cache, lookup_stats, merge_caches, ngram_cache_update,
@@ -123,7 +124,8 @@ def lookup_figures(engine: Engine, s: Sequence, t_load_ms: float) -> dict:
     """The figures of one `lookup` run. t_draft_flat = cache loading + indexing the prompt (the chain's begin);
     t_draft = the drafter's draft calls, which also index each accepted token, as llama-lookup times them."""
     st = engine.chain.stats["ngram-cache"]
-    return draft_figures(lookup_drafter(engine).n_draft, s.n_generated, s.n_drafted, s.n_accepted,
+    n_draft = AUTO if engine.spec.adaptive else lookup_drafter(engine).n_draft
+    return draft_figures(n_draft, s.n_generated, s.n_drafted, s.n_accepted,
                          t_load_ms + st.t_begin_us / 1e3, st.t_draft_us / 1e3)
 
 

@@ -44,12 +44,13 @@ from spec_cli.batch import Batch
 from spec_cli.bench import Result, row_label
 from spec_cli.bench.params import BenchParams, Instance, Test, instances
 from spec_cli.bench.prompts import PromptSet, load_prompt_set, render_tokens
-from spec_cli.bench.verify_cost import curve, time_forwards
+from spec_cli.bench.verify_cost import curve
 from spec_cli.context import Context
 from spec_cli.engine import Engine, build_chain, resolve
 from spec_cli.errors import SpecCliError
 from spec_cli.loader import LoadedModel, load_model
 from spec_cli.sampling import SamplingParams
+from spec_cli.speculative.adaptive import draft_bound, time_forwards
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.draft_model import check_vocab_compatible
 from spec_cli.speculative.stats import DrafterStats
@@ -300,9 +301,10 @@ def run_verify(model: BenchModel, inst: Instance, head: dict, params: BenchParam
     sync = _sync_for(model)
     if t.n_depth:
         decode_random(ctx, t.n_depth, 0, rng, bos)
+    ks = range(1, t.verify_k + 1)
     if params.warmup:
-        time_forwards(ctx, t.n_depth, t.verify_k, 1, rng, sync)
-    samples = time_forwards(ctx, t.n_depth, t.verify_k, params.repetitions, rng, sync)
+        time_forwards(ctx, 0, ks, 1, rng, sync)
+    samples = time_forwards(ctx, 0, ks, params.repetitions, rng, sync)
     rows = []
     for point in curve(samples):
         k = point["verify_k"]
@@ -331,11 +333,12 @@ def run_spec(model: BenchModel, draft: BenchModel | None, inst: Instance, head: 
     t = inst.test
     types = [] if t.spec_type == "none" else t.spec_type.split("+")
     prompts = [render_tokens(p, model.tokenizer) for p in prompt_set.prompts]
-    n_ctx = max(len(p) for p in prompts) + t.n_gen + t.draft_max + 2
+    draft_max, adaptive = draft_bound(t.draft_max)
+    n_ctx = max(len(p) for p in prompts) + t.n_gen + draft_max + 2
     ctx = Context(model.loaded, n_ctx, 1, inst.n_batch, inst.n_ubatch)
     draft_ctx = Context(draft.loaded, n_ctx, 1, inst.n_batch, inst.n_ubatch) if draft else None
-    spec = SpecParams(types=types, draft_max=t.draft_max, draft_min=t.draft_min, draft_p_min=t.draft_p_min,
-                      verify=t.spec_verify)
+    spec = SpecParams(types=types, draft_max=draft_max, adaptive=adaptive, draft_min=t.draft_min,
+                      draft_p_min=t.draft_p_min, verify=t.spec_verify)
     engine = Engine(model.loaded, model.tokenizer, ctx, None, spec, draft.loaded if draft else None, draft_ctx)
     sampling = SamplingParams(temp=t.temp, seed=SEED)
     sampling.validate()

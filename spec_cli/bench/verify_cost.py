@@ -15,37 +15,10 @@ when the ratio is >= k, i.e. even a perfect drafter cannot win at that k).
 
 On GPUs cost(k) stays near cost(1) for small k (weights are read once); on CPUs torch's matrix products for a few
 rows can cost several times one row (see shared/models/README.md), which is why this curve is measured, not assumed.
+The timing itself (`time_forwards`) lives in speculative/adaptive.py, whose `--draft-max auto` calibrates on it.
 """
 
 from __future__ import annotations
-
-import random
-import time
-from collections.abc import Callable
-
-from spec_cli.batch import Batch
-from spec_cli.context import Context
-
-
-def time_forwards(ctx: Context, depth: int, k_max: int, repetitions: int, rng: random.Random,
-                  sync: Callable[[], None]) -> dict[int, list[int]]:
-    """ns of one decode of k rows (all with logits, as a verify batch) at positions depth..depth+k-1 of sequence 0,
-    which already holds `depth` cells. Repetitions are interleaved over k (k = 1..K, then again) so slow drift of
-    the machine spreads over every k instead of biasing the ratio; after each forward the rows are removed."""
-    samples: dict[int, list[int]] = {k: [] for k in range(1, k_max + 1)}
-    n_vocab = ctx.config.n_vocab
-    for _ in range(repetitions):
-        for k in samples:
-            batch = Batch()
-            for i in range(k):
-                batch.add(rng.randrange(n_vocab), depth + i, 0, True)
-            sync()
-            t0 = time.perf_counter_ns()
-            ctx.decode(batch)
-            sync()
-            samples[k].append(time.perf_counter_ns() - t0)
-            ctx.seq_rm(0, depth)
-    return samples
 
 
 def curve(samples: dict[int, list[int]]) -> list[dict]:

@@ -11,6 +11,7 @@ from spec_cli.engine import Engine
 from spec_cli.errors import SpecCliError, UsageError
 from spec_cli.generate import Emitted, Sequence, generate
 from spec_cli.sampling import SamplingParams
+from spec_cli.speculative.adaptive import AUTO
 
 
 def read_prompt(opts: dict, required: bool = True) -> str | None:
@@ -112,7 +113,7 @@ class RunResult:
         }
         if engine.chain is not None:
             out.update(
-                n_draft=engine.spec.draft_max,
+                n_draft=AUTO if engine.spec.adaptive else engine.spec.draft_max,
                 n_drafted=s.n_drafted,
                 n_accept=s.n_accepted,
                 accept=100.0 * s.n_accepted / s.n_drafted if s.n_drafted else 0.0,

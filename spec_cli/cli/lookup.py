@@ -24,6 +24,7 @@ from spec_cli.lookup import (
     attach_lookup_chain, build_static_cache, load_tokenizer, lookup_figures, merge_cache_files, save_dynamic_cache,
     simulate, tokenize_corpus,
 )
+from spec_cli.speculative.adaptive import AUTO, draft_bound, parse_draft_max
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.ngram_cache import save_cache
 
@@ -45,15 +46,14 @@ def lookup(
     color: bool = typer.Option(False, "--color", help="show tokens that came from accepted drafts in green"),
 ) -> None:
     """Lookup decoding: n-gram cache drafting from the prompt, -lcd and -lcs (llama-lookup); saves -lcd."""
-    if opts["draft_max"] < 0:
-        raise UsageError("--draft-max must be >= 0")
+    draft_max, adaptive = draft_bound(parse_draft_max(opts["draft_max"]))
     text = read_prompt(opts)
     sampling = sampling_params(opts)
     eopts = engine_options(opts)
     eopts.spec = SpecParams(lookup_cache_static=opts["lookup_cache_static"],
-                            lookup_cache_dynamic=opts["lookup_cache_dynamic"])
+                            lookup_cache_dynamic=opts["lookup_cache_dynamic"], adaptive=adaptive)
     engine = build_engine(eopts)
-    t_load_ms = attach_lookup_chain(engine, opts["draft_max"])
+    t_load_ms = attach_lookup_chain(engine, draft_max)
     tokens = prompt_tokens(engine, text, opts["conversation"], opts["chat_template"])
     sink = TextCollector(engine) if opts["json_output"] else TextStream(engine, color=color)
     if not opts["conversation"]:
@@ -106,8 +106,11 @@ def lookup_stats(
     json_output: bool = typer.Option(False, "--json", help="print the figures as one JSON object"),
 ) -> None:
     """Offline lookup simulation: replay a text in chunks, drafting at every token (llama-lookup-stats)."""
+    draft_max = parse_draft_max(opts["draft_max"])
+    if draft_max == AUTO:
+        raise UsageError("lookup-stats has no target to time, so --draft-max auto cannot plan: give a number")
     tokens = tokenize_corpus(load_tokenizer(opts["model"]), file)
-    figures = simulate(tokens, ctx_size, opts["draft_max"], opts["lookup_cache_static"],
+    figures = simulate(tokens, ctx_size, draft_max, opts["lookup_cache_static"],
                        opts["lookup_cache_dynamic"])
     if json_output:
         print_json(figures)

@@ -17,6 +17,7 @@ import typer
 from spec_cli.engine import EngineOptions
 from spec_cli.errors import UsageError
 from spec_cli.sampling import SamplingParams
+from spec_cli.speculative.adaptive import draft_bound, parse_draft_max
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.chain import parse_spec_types
 
@@ -68,7 +69,9 @@ SPEC = ("Speculative decoding", [
     Opt("ctx_size_draft", int, 0, ("-cd", "--ctx-size-draft"), "ignored: the draft context equals the target's"),
     Opt("threads_draft", Optional[int], None, ("-td", "--threads-draft", "--spec-draft-threads"),
         "accepted for compatibility: torch uses one thread pool"),
-    Opt("draft_max", int, 16, ("--draft-max", "--draft", "--draft-n", "--spec-draft-n-max"), "max draft tokens per step"),
+    Opt("draft_max", str, "16", ("--draft-max", "--draft", "--draft-n", "--spec-draft-n-max"),
+        "max draft tokens per step, or auto: per step the length that maximizes expected tokens/s from the measured "
+        "verify cost and each drafter's acceptance (at most 16)"),
     Opt("draft_min", int, 0, ("--draft-min", "--draft-n-min", "--spec-draft-n-min"), "min draft tokens (else no draft)"),
     Opt("draft_p_min", float, 0.75, ("--draft-p-min", "--spec-draft-p-min"), "stop drafting below this probability"),
     Opt("spec_verify", str, "auto", ("--spec-verify",), "auto | match | rejection"),
@@ -116,14 +119,15 @@ def with_options(*groups):
 
 
 def spec_params(opts: dict) -> SpecParams:
-    if opts["draft_max"] < 0 or opts["draft_min"] < 0:
-        raise UsageError("--draft-max and --draft-min must be >= 0")
+    draft_max, adaptive = draft_bound(parse_draft_max(opts["draft_max"]))
+    if opts["draft_min"] < 0:
+        raise UsageError("--draft-min must be >= 0")
     if not 0.0 <= opts["draft_p_min"] <= 1.0:
         raise UsageError("--draft-p-min must be in [0, 1]")
     if opts["spec_verify"] not in ("auto", "match", "rejection"):
         raise UsageError("--spec-verify must be auto, match or rejection")
-    fields = {f for f in SpecParams.__dataclass_fields__ if f in opts}
-    params = SpecParams(**{f: opts[f] for f in fields})
+    fields = {f for f in SpecParams.__dataclass_fields__ if f in opts} - {"draft_max"}
+    params = SpecParams(**{f: opts[f] for f in fields}, draft_max=draft_max, adaptive=adaptive)
     params.types = parse_spec_types(opts["spec_type"])
     params.verify = opts["spec_verify"]
     return params

@@ -55,6 +55,7 @@ def drafter_table(drafters: list[dict]) -> Table:
         "acc drafts": lambda s: s["n_acc_drafts"],
         "gen tokens": lambda s: s["n_gen_tokens"],
         "acc tokens": lambda s: s["n_acc_tokens"],
+        "mean draft length": lambda s: f"{s['mean_draft_len']:.2f}",
         "acceptance %": lambda s: f"{100 * s['acceptance']:.1f}",
         "mean acceptance length": lambda s: f"{s['mean_acc_len']:.2f}",
         "acc rate/pos": lambda s: " ".join(f"{r:.2f}" for r in s["acc_rate_per_pos"][:6])

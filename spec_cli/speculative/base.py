@@ -6,6 +6,8 @@ Lifecycle per sequence, as in llama.cpp's common/speculative.h:
   draft(params)             drafts for all sequences whose `drafting` flag is set, in one call
   accept(seq, n, is_other)  how many draft tokens the target accepted (bonus token not counted);
                             is_other=True when another drafter of the chain produced this step's draft
+  shorten(seq, n)           optional: the chain verifies only the first n tokens of this drafter's draft
+                            (--draft-max auto); for drafters whose accept bookkeeping depends on the draft length
 Drafters keep no statistics: the chain wraps every call with counters and timers.
 """
 
@@ -24,7 +26,8 @@ class SpecParams:
     """Speculation settings (llama.cpp's `common_params_speculative`, flag defaults per ARCHITECTURE.md)."""
 
     types: list[str] = field(default_factory=list)  # canonical names, e.g. ["ngram-mod", "draft-simple"]
-    draft_max: int = 16
+    draft_max: int = 16  # with `adaptive`, the upper bound of a draft (speculative/adaptive.py AUTO_DRAFT_MAX)
+    adaptive: bool = False  # --draft-max auto: each step's draft length is planned (speculative/adaptive.py)
     draft_min: int = 0
     draft_p_min: float = 0.75
     verify: str = "auto"  # auto | match | rejection

@@ -118,6 +118,10 @@ class NgramModDrafter(HistoryDrafter):
         self.n_draft_last[seq] = len(result)
         return result
 
+    def shorten(self, seq: int, n: int) -> None:
+        # The chain verifies only n tokens of the last draft (--draft-max auto): judge the streak against those.
+        self.n_draft_last[seq] = min(self.n_draft_last[seq], n)
+
     def accept(self, seq: int, n_accepted: int, is_other: bool) -> None:
         if is_other:
             # Another drafter's tokens: the history is added lazily from the prompt at the next draft,

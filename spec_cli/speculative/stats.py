@@ -2,7 +2,8 @@
 counters and `common_speculative_print_stats`); pooled counts, never means of per-request ratios.
 
 mean acceptance length = 1 + accepted / verify steps (the +1 is the target's own token per step);
-acceptance rate at position i = drafts with >= i+1 accepted tokens / drafts generated.
+acceptance rate at position i = drafts with >= i+1 accepted tokens / drafts generated;
+mean draft length = tokens / drafts, as verified (with --draft-max auto: the planned lengths).
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ class DrafterStats:
         return 1.0 + self.n_acc_tokens / self.n_call_accept if self.n_call_accept else 0.0
 
     @property
+    def mean_draft_len(self) -> float:
+        return self.n_gen_tokens / self.n_gen_drafts if self.n_gen_drafts else 0.0
+
+    @property
     def acceptance(self) -> float:
         return self.n_acc_tokens / self.n_gen_tokens if self.n_gen_tokens else 0.0
 
@@ -66,7 +71,8 @@ class DrafterStats:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(mean_acc_len=self.mean_acc_len, acceptance=self.acceptance, acc_rate_per_pos=self.acc_rate_per_pos)
+        d.update(mean_acc_len=self.mean_acc_len, mean_draft_len=self.mean_draft_len, acceptance=self.acceptance,
+                 acc_rate_per_pos=self.acc_rate_per_pos)
         return d
 
     def format_line(self, timing: bool = True) -> str:

@@ -1,0 +1,323 @@
+"""Adaptive draft length (`--draft-max auto`): each step verifies the draft length that maximizes expected tokens per
+second, from the target's measured verify-cost curve and the running acceptance per draft position of the drafter
+that produced the draft.
+
+Why: speculation only pays when verifying k draft tokens costs little more than decoding one. On CPUs the cost of a
+forward grows with its rows (bench/verify_cost.py: the int4 kernel tiles 4 rows, f32 roughly doubles at 2 rows), and
+acceptance changes with the text (a copied block vs free writing), so no fixed --draft-max is right everywhere.
+
+The math. Let a_i = P(draft token i accepted | tokens 1..i-1 accepted), the conditional acceptance at position i.
+Token j is committed iff tokens 1..j are all accepted, so a draft of k tokens commits on average, counting the
+target's own token,
+    E(k) = 1 + sum_{j=1..k} g_j,   g_j = prod_{i<=j} a_i   (the marginal gain of the j-th token).
+g_j never grows with j (a_i <= 1), so E is concave. One step over G sequences with drafts of k_s tokens takes
+    time = cost(G * (1 + max_s k_s)) + sum_s c_s * k_s
+where cost(rows) is the verify side of a step (the verify batch is padded to the longest draft: context.py lays it
+out as [G, T]) and c_s the seconds per token of the drafter that drafted sequence s (a model per token for
+draft-simple and draft-mtp, ~0 for the n-gram drafters). The planner maximizes  sum_s E_s(k_s) / time  twice per
+step: before drafting, to cap what each drafter may draft (drafting time still to be spent counts); after drafting,
+to choose how much of each draft to verify, where the drafting time is already spent: a fixed term of the
+denominator, so a draft that was paid for is not thrown away for nothing.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+from spec_cli.batch import Batch
+from spec_cli.context import Context
+from spec_cli.errors import UsageError
+
+AUTO = "auto"
+# Upper bound of an adaptive draft (unless the drafter's own cap is lower, e.g. draft-mtp's 3): the default fixed
+# --draft-max, and past 16 rows the CPU verify cost grows about linearly, so longer drafts rarely pay.
+AUTO_DRAFT_MAX = 16
+
+CALIBRATION_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # sparse: interpolation fills the gaps
+MULTI_SEQ_ROWS = (24, 32)  # several sequences pad the verify batch to G * (1 + longest draft)
+COST_EMA = 0.1  # weight of one step's timing in the online cost estimate (steps are noisy on a shared CPU)
+ACCEPT_DECAY = 0.9  # per observation: memory of ~10 drafts, so the estimate follows the text as it changes
+PRIOR_ACCEPT = 0.5  # prior a_1 of a drafter never seen; position i > 1 starts from the estimate at i - 1
+PRIOR_WEIGHT = 0.5  # the prior counts as half an observation, forgotten like the others: the first drafts dominate
+# Exploration: a drafter planned at 0 tokens gets a 1-token probe (its estimate only changes when it drafts), the
+# gap to the next probe doubling from PROBE_GAP_MIN steps up to PROBE_GAP_MAX and starting over once one of its
+# tokens is accepted. So a drafter that stays useless costs one 2-row verify per 256 steps in the long run, while
+# one that starts to fit the text (a copied block begins) is found again within 16 to 256 steps.
+PROBE_GAP_MIN = 16
+PROBE_GAP_MAX = 256
+
+
+def parse_draft_max(text: str | int) -> int | str:
+    """A --draft-max value: a non-negative integer or `auto`."""
+    value = str(text).strip().lower()
+    if value == AUTO:
+        return AUTO
+    if not value.isdigit():
+        raise UsageError(f"--draft-max must be a non-negative integer or auto, got '{text}'")
+    return int(value)
+
+
+def draft_bound(value: int | str) -> tuple[int, bool]:
+    """A parsed --draft-max as (upper bound on a draft, adaptive?)."""
+    return (AUTO_DRAFT_MAX, True) if value == AUTO else (int(value), False)
+
+
+def time_forwards(ctx: Context, seq: int, ks: Iterable[int], repetitions: int, rng: random.Random,
+                  sync: Callable[[], None]) -> dict[int, list[int]]:
+    """ns of one decode of k rows (all with logits, as a verify batch) on sequence `seq` right after the cells it
+    holds, for each k in `ks`. Repetitions are interleaved over k so slow drift of the machine spreads over every k
+    instead of biasing the ratio; after each forward its rows are removed, so the KV cache is left as it was."""
+    depth = ctx.lengths[seq]
+    samples: dict[int, list[int]] = {k: [] for k in ks}
+    n_vocab = ctx.config.n_vocab
+    for _ in range(repetitions):
+        for k in samples:
+            batch = Batch()
+            for i in range(k):
+                batch.add(rng.randrange(n_vocab), depth + i, seq, True)
+            sync()
+            t0 = time.perf_counter_ns()
+            ctx.decode(batch)
+            sync()
+            samples[k].append(time.perf_counter_ns() - t0)
+            ctx.seq_rm(seq, depth)
+    return samples
+
+
+class CostModel:
+    """Seconds of the verify side of a step (everything but drafting) as a function of the target forward's rows.
+
+    Calibrated once, at the first step that needs it, by timing target forwards of CALIBRATION_ROWS rows at the
+    depth of a real sequence (the minimum of 2), linear between points and extrapolated past the last.
+    Refined online: each step's measured time updates an EMA for its row count. Row counts not seen yet use the
+    curve plus the EMA of the gap between observed and calibrated times, i.e. what the bare forward does not see
+    (verification, rollback, draft-simple mirroring the batch on the draft model, a busier machine)."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []  # calibration points, ascending
+        self.seconds: list[float] = []
+        self.observed: dict[int, float] = {}
+        self.offset = 0.0
+
+    @property
+    def calibrated(self) -> bool:
+        return bool(self.rows)
+
+    def calibrate(self, ctx: Context, seq: int) -> None:
+        """Time forwards on `seq` after the cells it holds (removed again); rows that do not fit are extrapolated."""
+        room = min(ctx.n_ctx_seq - ctx.lengths[seq], ctx.n_batch)
+        ks = [k for k in CALIBRATION_ROWS + (MULTI_SEQ_ROWS if ctx.n_seq > 1 else ()) if k <= room]
+        sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
+        rng = random.Random(0)
+        # One 1-row warmup is enough: the prompt was just prefilled, and on the CPU no row count's first forward is
+        # slower than its second there (qwen2.5-coder-0.5b, 1 thread); the minimum of two drops a disturbed sample.
+        time_forwards(ctx, seq, ks[:1], 1, rng, sync)
+        samples = time_forwards(ctx, seq, ks, 2, rng, sync)
+        self.set_points({k: min(ns) / 1e9 for k, ns in samples.items()})
+
+    def set_points(self, seconds_by_rows: dict[int, float]) -> None:
+        self.rows = sorted(seconds_by_rows)
+        self.seconds = [seconds_by_rows[k] for k in self.rows]
+
+    def __call__(self, rows: int) -> float:
+        seen = self.observed.get(rows)
+        return seen if seen is not None else self.curve(rows) + self.offset
+
+    def curve(self, rows: int) -> float:
+        """The calibrated time: linear between points, along the last segment past the last point (proportional
+        to the rows when only one point fitted in the context), the first point's below it."""
+        xs, ys = self.rows, self.seconds
+        if len(xs) == 1:
+            return ys[0] * rows / xs[0]
+        if rows <= xs[0]:
+            return ys[0]
+        i = min(bisect.bisect_left(xs, rows), len(xs) - 1)
+        slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
+        return ys[i - 1] + slope * (rows - xs[i - 1])
+
+    def observe(self, rows: int, seconds: float) -> None:
+        prior = self(rows)
+        self.offset += COST_EMA * (seconds - self.curve(rows) - self.offset)
+        self.observed[rows] = prior + COST_EMA * (seconds - prior)
+
+
+class AcceptanceModel:
+    """Per drafter name, the conditional acceptance a_i per draft position, an exponentially decayed average with a
+    weak prior:  a_i = (hits_i + w_i * prior_i) / (trials_i + w_i)  where hits and trials decay by ACCEPT_DECAY at
+    each observation of position i, and so does the prior's weight w_i (PRIOR_WEIGHT at first): the prior only
+    matters until a position has been seen a few times, and a drafter that is always right gets a_i -> 1.
+    prior_1 = PRIOR_ACCEPT, prior_i = a_{i-1}: positions rarely verified borrow from the one before."""
+
+    def __init__(self, n_max: int = AUTO_DRAFT_MAX) -> None:
+        self.n_max = n_max
+        self.counts: dict[str, list[list[float]]] = {}  # name -> per position [hits, trials, prior weight]
+        self._gains: dict[str, list[float]] = {}  # cache of gains(), dropped by observe()
+
+    def observe(self, name: str, n_drafted: int, n_accepted: int) -> None:
+        """A verified draft: positions 1..n_accepted were accepted, position n_accepted + 1 (if drafted) rejected;
+        later positions were never tried (their condition failed), so they learn nothing."""
+        counts = self.counts.setdefault(name, [[0.0, 0.0, PRIOR_WEIGHT] for _ in range(self.n_max)])
+        for i in range(min(n_accepted + 1, n_drafted, self.n_max)):
+            c = counts[i]
+            c[0] = ACCEPT_DECAY * c[0] + (i < n_accepted)
+            c[1] = ACCEPT_DECAY * c[1] + 1.0
+            c[2] *= ACCEPT_DECAY
+        self._gains.pop(name, None)
+
+    def rates(self, name: str) -> list[float]:
+        """a_1..a_n_max."""
+        out, prior = [], PRIOR_ACCEPT
+        for hits, trials, weight in self.counts.get(name, [[0.0, 0.0, PRIOR_WEIGHT]] * self.n_max):
+            prior = (hits + weight * prior) / (trials + weight)
+            out.append(prior)
+        return out
+
+    def gains(self, name: str) -> list[float]:
+        """g_1..g_n_max: g_j = prod_{i<=j} a_i, the expected tokens the j-th draft token adds."""
+        cached = self._gains.get(name)
+        if cached is None:
+            cached, g = [], 1.0
+            for a in self.rates(name):
+                g *= a
+                cached.append(g)
+            self._gains[name] = cached
+        return cached
+
+
+def expected_tokens(gains: list[float], k: int) -> float:
+    """E(k) = 1 + g_1 + ... + g_k: tokens committed by a step verifying k draft tokens."""
+    return 1.0 + sum(gains[:k])
+
+
+class DraftCost:
+    """A drafter's seconds per drafted token: EMA of the time of its draft calls over EMA of the tokens they
+    produced, where a call that produced nothing counts as one token (so a drafter that often fails, like
+    draft-simple stopping at p-min, looks as expensive as the time it wastes)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.tokens = 0.0
+
+    def observe(self, seconds: float, n_tokens: int) -> None:
+        n = max(n_tokens, 1)
+        if self.tokens == 0.0:
+            self.seconds, self.tokens = seconds, float(n)
+        else:
+            self.seconds += COST_EMA * (seconds - self.seconds)
+            self.tokens += COST_EMA * (n - self.tokens)
+
+    @property
+    def per_token(self) -> float:
+        return self.seconds / self.tokens if self.tokens else 0.0  # unknown until its first call: optimistic
+
+
+class Planner:
+    """Chooses, per step, how many tokens each drafter may draft (`drafting_caps`, before drafting) and how many
+    of each sequence's draft to verify (`plan`, after drafting); learns from `observe_*`. One per drafter chain
+    (its acceptance and draft costs are the chain's drafters'); the cost model is the engine's, shared."""
+
+    def __init__(self, costs: CostModel, n_max: int = AUTO_DRAFT_MAX) -> None:
+        self.costs = costs
+        self.n_max = n_max
+        self.acceptance = AcceptanceModel(n_max)
+        self.draft_costs: dict[str, DraftCost] = {}
+        self.step = 0
+        self.next_probe: dict[str, int] = {}
+        self.probe_gap: dict[str, int] = {}
+        self.probing: set[str] = set()  # drafters granted a probe this step
+
+    # --- planning -------------------------------------------------------------------------------------------
+
+    def drafting_caps(self, names: list[str], n_seq: int) -> dict[str, int]:
+        """Per drafter, the most tokens worth drafting this step: the best length if all n_seq sequences drafted
+        with it (an upper estimate of what `plan` will keep), or 1 when its probe is due; 0 = do not ask it."""
+        self.step += 1
+        self.probing.clear()
+        caps = {}
+        for name in names:
+            k = self._uniform_length(name, n_seq)
+            if k == 0 and self._probe_due(name):
+                k = 1
+                self.probing.add(name)
+            caps[name] = k
+        return caps
+
+    def plan(self, drafts: list[tuple[str | None, int]], drafting_s: float) -> list[int]:
+        """Per sequence of the step (winning drafter or None, draft length): the tokens to verify, each <= its
+        draft, the drafting (`drafting_s`) being spent already. Greedy path: from no drafts, add one token at a
+        time where it gives the best throughput until every draft is used up, and keep the best point of the path;
+        that ignores local dips of a stepped cost curve. For one sequence the path covers every length; for
+        several, the order by marginal gain is the optimal one for concave gains when the cost only depends on
+        the rows."""
+        gains = [self.acceptance.gains(name)[:n] if name else [] for name, n in drafts]
+        n_seq = len(drafts)
+        lengths = [0] * n_seq
+        expected, longest = float(n_seq), 0
+        best, best_lengths = expected / (self.costs(n_seq) + drafting_s), list(lengths)
+        while True:
+            pick, pick_rate = -1, -1.0
+            for s, g in enumerate(gains):
+                k = lengths[s]
+                if k < len(g):
+                    rate = (expected + g[k]) / (self.costs(n_seq * (1 + max(longest, k + 1))) + drafting_s)
+                    if rate > pick_rate:
+                        pick, pick_rate = s, rate
+            if pick < 0:
+                break
+            expected += gains[pick][lengths[pick]]
+            lengths[pick] += 1
+            longest = max(longest, lengths[pick])
+            if pick_rate > best:
+                best, best_lengths = pick_rate, list(lengths)
+        return self._with_probes(drafts, best_lengths)
+
+    def _uniform_length(self, name: str, n_seq: int) -> int:
+        """argmax_k E(k) / (cost(n_seq * (1 + k)) / n_seq + k * c): every sequence drafting k tokens with `name`."""
+        gains, per_token = self.acceptance.gains(name), self._draft_cost(name)
+        best_k, best = 0, 1.0 / (self.costs(n_seq) / n_seq)
+        for k in range(1, self.n_max + 1):
+            rate = expected_tokens(gains, k) / (self.costs(n_seq * (1 + k)) / n_seq + k * per_token)
+            if rate > best:
+                best_k, best = k, rate
+        return best_k
+
+    def _with_probes(self, drafts: list[tuple[str | None, int]], lengths: list[int]) -> list[int]:
+        """A drafter granted a probe verifies one token of its first draft the plan would have dropped."""
+        for s, (name, n) in enumerate(drafts):
+            if name in self.probing and lengths[s] == 0 and n > 0:
+                lengths[s] = 1
+                self.probing.discard(name)
+        return lengths
+
+    def _probe_due(self, name: str) -> bool:
+        if self.step < self.next_probe.get(name, 0):
+            return False
+        gap = self.probe_gap.get(name, PROBE_GAP_MIN)
+        self.next_probe[name] = self.step + gap
+        self.probe_gap[name] = min(2 * gap, PROBE_GAP_MAX)
+        return True
+
+    def _draft_cost(self, name: str) -> float:
+        cost = self.draft_costs.get(name)
+        return cost.per_token if cost else 0.0
+
+    # --- learning -------------------------------------------------------------------------------------------
+
+    def observe_drafting(self, name: str, seconds: float, n_tokens: int) -> None:
+        """One draft call of drafter `name` took `seconds` and produced `n_tokens` over all sequences."""
+        self.draft_costs.setdefault(name, DraftCost()).observe(seconds, n_tokens)
+
+    def observe_accept(self, name: str, n_drafted: int, n_accepted: int) -> None:
+        self.acceptance.observe(name, n_drafted, n_accepted)
+        if n_accepted:
+            self.probe_gap[name] = PROBE_GAP_MIN  # alive again: probe it soon should it fall back to 0
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """The verify side of a step whose target forward computed `rows` rows took `seconds`."""
+        self.costs.observe(rows, seconds)
+

@@ -1,0 +1,336 @@
+"""--draft-max auto (spec_cli/speculative/adaptive.py): the planner's math, the acceptance and cost models, and the
+invariant that matters most: cutting drafts to their planned length never changes greedy output, for every drafter
+type, one and four sequences at once. Plus the flag, in the CLI."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+import pytest
+
+from spec_cli.batch import Batch
+from spec_cli.context import Context
+from spec_cli.sampling import SamplingParams
+from spec_cli.speculative import adaptive
+from spec_cli.speculative.adaptive import (
+    AUTO, AUTO_DRAFT_MAX, PROBE_GAP_MIN, AcceptanceModel, CostModel, DraftCost, Planner, expected_tokens,
+)
+from spec_cli.speculative.chain import Chain
+from tests.test_cli import PROMPT, cli
+from tests.test_generate_sampling import exact_two_token_distribution
+from tests.tiny_mtp import write_tiny_mtp_gguf
+from tests.test_generate import GREEDY, N_PREDICT, PROMPTS, make_engine, plain_outputs, run  # noqa: F401 (fixture)
+
+
+def flat(seconds: float = 1.0) -> CostModel:
+    costs = CostModel()
+    costs.set_points({1: seconds, 64: seconds})
+    return costs
+
+
+def steep() -> CostModel:
+    """Every extra row costs as much as a whole forward: sequential decoding, speculation cannot pay."""
+    costs = CostModel()
+    costs.set_points({1: 1.0, 64: 64.0})
+    return costs
+
+
+def planner_with(costs: CostModel, rates: dict[str, float]) -> Planner:
+    """A planner whose drafters have the given constant conditional acceptance at every position."""
+    planner = Planner(costs)
+    planner.acceptance.gains = lambda name: [rates[name] ** j for j in range(1, AUTO_DRAFT_MAX + 1)]
+    return planner
+
+
+# --- the models ----------------------------------------------------------------------------------------------
+
+def test_expected_tokens_counts_the_target_token_and_the_chain_of_acceptances():
+    gains = [0.5, 0.25, 0.125]  # a_i = 0.5 at every position
+    assert [expected_tokens(gains, k) for k in range(4)] == [1.0, 1.5, 1.75, 1.875]
+
+
+def test_acceptance_update_follows_the_conditional_definition():
+    model = AcceptanceModel()
+    assert model.rates("x")[:3] == [0.5, 0.5, 0.5]  # the prior
+    model.observe("x", 4, 2)  # positions 1, 2 accepted, 3 rejected, 4 never tried (its condition failed)
+    w = adaptive.PRIOR_WEIGHT * adaptive.ACCEPT_DECAY  # the prior's weight after one observation
+    a1 = (1 + w * 0.5) / (1 + w)
+    a2 = (1 + w * a1) / (1 + w)
+    a3 = (0 + w * a2) / (1 + w)
+    assert model.rates("x")[:4] == pytest.approx([a1, a2, a3, a3])  # position 4 borrows from position 3
+    assert model.gains("x")[:3] == pytest.approx([a1, a1 * a2, a1 * a2 * a3])
+    assert model.rates("y")[0] == 0.5  # per drafter
+
+
+def test_acceptance_decays_so_it_follows_a_change_of_text():
+    model = AcceptanceModel()
+    for _ in range(100):
+        model.observe("x", 4, 4)
+    assert model.rates("x")[0] > 0.99  # the prior is forgotten: an always-right drafter gets long drafts
+    for _ in range(20):
+        model.observe("x", 4, 0)
+    assert model.rates("x")[0] < 0.15  # the good past weighs 0.9^20 = 12 % after 20 drafts
+    _, trials, _ = model.counts["x"][0]
+    assert trials < 1 / (1 - adaptive.ACCEPT_DECAY)  # the memory is bounded
+
+
+def test_cost_interpolates_between_points_and_extrapolates_past_the_last():
+    costs = CostModel()
+    costs.set_points({1: 1.0, 4: 1.3, 8: 2.1})
+    assert [costs(r) for r in (1, 2, 3, 4, 6, 8, 12)] == pytest.approx([1.0, 1.1, 1.2, 1.3, 1.7, 2.1, 2.9])
+    single = CostModel()
+    single.set_points({1: 2.0})
+    assert single(3) == pytest.approx(6.0)
+
+
+def test_cost_online_update_is_an_ema_and_shifts_unseen_rows():
+    costs = CostModel()
+    costs.set_points({1: 1.0, 4: 1.3})
+    costs.observe(2, 2.1)
+    ema = adaptive.COST_EMA
+    assert costs(2) == pytest.approx(1.1 + ema * (2.1 - 1.1))
+    assert costs(3) == pytest.approx(1.2 + ema * (2.1 - 1.1))  # unseen: the curve plus the mean gap
+    for _ in range(200):
+        costs.observe(2, 2.1)
+    assert costs(2) == pytest.approx(2.1)
+
+
+def test_draft_cost_is_seconds_per_produced_token():
+    cost = DraftCost()
+    assert cost.per_token == 0.0  # unknown: optimistic until the first call
+    cost.observe(0.4, 4)
+    assert cost.per_token == pytest.approx(0.1)
+    for _ in range(200):
+        cost.observe(0.3, 0)  # fruitless calls count as one token each
+    assert cost.per_token == pytest.approx(0.3, rel=1e-3)
+
+
+def test_calibration_is_cheap_and_leaves_the_kv_cache_as_it_was(tiny_model_path):
+    engine = make_engine(tiny_model_path, n_seq=2)
+    ctx: Context = engine.ctx
+    batch = Batch()
+    for i, tok in enumerate(PROMPTS[0]):
+        batch.add(tok, i, 1, i == len(PROMPTS[0]) - 1)
+    before = ctx.decode(batch).logits
+    t0 = time.perf_counter()
+    engine.costs.calibrate(ctx, 1)
+    elapsed = time.perf_counter() - t0
+    assert ctx.lengths == [0, len(PROMPTS[0])]
+    assert engine.costs.rows == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]  # several sequences: wider batches too
+    assert elapsed < 2.0  # ~0.1 s when the machine is idle
+    ctx.seq_rm(1, len(PROMPTS[0]) - 1)
+    again = Batch()
+    again.add(PROMPTS[0][-1], len(PROMPTS[0]) - 1, 1, True)
+    assert ctx.decode(again).logits[0].tolist() == pytest.approx(before[0].tolist(), abs=1e-5)
+
+
+# --- the planner -----------------------------------------------------------------------------------------------
+
+def test_no_draft_when_acceptance_is_low_and_rows_are_expensive():
+    planner = planner_with(steep(), {"x": 0.05})
+    assert planner.plan([("x", 8)], 0.0) == [0]
+    planner.step = 10**6  # ...and no probe is due
+    planner.next_probe["x"] = 2 * 10**6
+    assert planner.drafting_caps(["x"], 1) == {"x": 0}
+
+
+def test_long_drafts_when_acceptance_is_high_and_cost_is_flat():
+    planner = planner_with(flat(), {"x": 0.99})
+    assert planner.plan([("x", 16)], 0.0) == [16]
+    assert planner.drafting_caps(["x"], 1) == {"x": AUTO_DRAFT_MAX}
+
+
+def test_plan_respects_every_draft_length():
+    planner = planner_with(flat(), {"x": 0.99, "y": 0.99})
+    assert planner.plan([("x", 5), (None, 0), ("y", 2)], 0.0) == [5, 0, 2]
+
+
+def test_draft_cost_caps_drafting_but_a_paid_draft_is_verified():
+    # E(k) / (1 + 0.5 k) with a = 0.9 peaks at k = 3 (1.376) before k = 4 (1.365)
+    planner = planner_with(flat(), {"x": 0.9})
+    planner.observe_drafting("x", 0.5, 1)
+    assert planner.drafting_caps(["x"], 1) == {"x": 3}
+    assert planner.plan([("x", 8)], 4.0) == [8]  # drafting is spent: verifying all 8 costs nothing more
+
+
+def test_a_stepped_cost_curve_does_not_stop_the_plan_early():
+    costs = CostModel()  # 2 rows cost a lot, 4..8 barely more: a greedy stop at the first loss would give 0
+    costs.set_points({1: 1.0, 2: 2.0, 4: 2.05, 8: 2.1, 16: 8.0})
+    planner = planner_with(costs, {"x": 0.9})
+    assert planner.plan([("x", 16)], 0.0) == [7]  # 8 rows
+
+
+def test_several_sequences_share_the_padded_verify_batch():
+    costs = CostModel()  # flat up to 8 rows: two sequences fit 3 draft tokens each, padded to [2, 4]
+    costs.set_points({1: 1.0, 8: 1.0, 16: 4.0})
+    planner = planner_with(costs, {"x": 0.9})
+    assert planner.plan([("x", 16), ("x", 16)], 0.0) == [3, 3]
+    assert planner.drafting_caps(["x"], 2) == {"x": 3}
+
+
+def test_a_useless_drafter_is_probed_with_growing_gaps_and_recovers():
+    planner = planner_with(steep(), {"x": 0.0})
+    probes = [step for step in range(1, 200) if planner.drafting_caps(["x"], 1)["x"] == 1]
+    assert probes == [1, 1 + PROBE_GAP_MIN, 1 + 3 * PROBE_GAP_MIN, 1 + 7 * PROBE_GAP_MIN]
+    planner.drafting_caps(["x"], 1)
+    planner.step = 1000  # due again: the probe survives the plan that says 0
+    assert planner.drafting_caps(["x"], 1) == {"x": 1}
+    assert planner.plan([("x", 1)], 0.0) == [1]
+    planner.observe_accept("x", 1, 1)  # it was right: the next probe comes after the shortest gap again
+    assert planner.probe_gap["x"] == PROBE_GAP_MIN
+
+
+# --- lossless, end to end ------------------------------------------------------------------------------------
+
+CHAINS = ["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "draft-simple",
+          "ngram-mod,draft-simple"]
+
+
+@pytest.fixture
+def tiled_costs(monkeypatch):
+    """A cost curve like the int4 CPU kernel's (4-row tiles) and no timing-driven learning, so plans depend only on
+    acceptance and drafts get lengths between 0 and their full length. Counts the cuts. With `capped=False` the
+    drafters are not capped before drafting, so every shortening goes through the cut after drafting."""
+    monkeypatch.setattr(CostModel, "observe", lambda *a: None)
+    monkeypatch.setattr(DraftCost, "observe", lambda *a: None)
+    cuts = []
+    original = Chain.cut
+
+    def counting(self, p, n):
+        cuts.append((len(p.result), n))
+        original(self, p, n)
+
+    monkeypatch.setattr(Chain, "cut", counting)
+
+    def install(engine, capped=True):
+        engine.costs.set_points({1: 1.0, 4: 1.05, 5: 1.6, 8: 1.7, 9: 2.3, 16: 2.5, 64: 16.0})
+        if not capped:
+            monkeypatch.setattr(Planner, "drafting_caps", lambda self, names, n_seq: {})
+        return cuts
+
+    return install
+
+
+def auto_engine(model, chain, draft, n_seq=1):
+    return make_engine(model, chain, draft=draft, n_seq=n_seq, draft_max=AUTO_DRAFT_MAX, adaptive=True)
+
+
+def run_together(engine, prompts) -> list[list[int]]:
+    """Greedy outputs of all prompts generated at once, one sequence each."""
+    engine.reset()
+    gen = engine.generator()
+    outs = {seq: gen.start(seq, prompt, GREEDY, N_PREDICT).tokens for seq, prompt in enumerate(prompts)}
+    while emitted := gen.step():
+        for e in emitted:
+            outs[e.seq].extend(e.tokens)
+    return [outs[seq] for seq in range(len(prompts))]
+
+
+@pytest.mark.parametrize("capped", [True, False], ids=["capped", "cut"])
+@pytest.mark.parametrize("chain", CHAINS)
+def test_greedy_auto_equals_plain_one_sequence(tiny_model_path, tiny_close_draft_path, plain_outputs, tiled_costs,
+                                               chain, capped):
+    engine = auto_engine(tiny_model_path, chain, tiny_close_draft_path)
+    cuts = tiled_costs(engine, capped)
+    drafted = accepted = 0
+    for prompt, expected in zip(PROMPTS, plain_outputs):
+        out, seq = run(engine, prompt)
+        assert out == expected
+        drafted += seq.n_drafted
+        accepted += seq.n_accepted
+    assert drafted > 0 and accepted > 0, "no accepted draft: the test proves nothing"
+    assert capped or any(0 < n < full for full, n in cuts), "no draft was cut to a shorter length"
+
+
+@pytest.mark.parametrize("chain", CHAINS)
+def test_greedy_auto_equals_plain_four_sequences(tiny_model_path, tiny_close_draft_path, plain_outputs, tiled_costs,
+                                                 chain):
+    engine = auto_engine(tiny_model_path, chain, tiny_close_draft_path, n_seq=4)
+    cuts = tiled_costs(engine)
+    assert run_together(engine, PROMPTS) == plain_outputs
+    assert sum(st.n_acc_tokens for st in engine.chain.stats.values()) > 0
+    assert cuts
+
+
+@pytest.fixture(scope="module")
+def mtp_path(tmp_path_factory):
+    return write_tiny_mtp_gguf(tmp_path_factory.mktemp("mtp") / "tiny-mtp.gguf")
+
+
+# one sequence: every shortening is a cut after drafting; four: capped drafting (with probes: the tiled curve makes a
+# padded [4, 2] batch cost as much as [4, 4], so a prior-only estimate plans no draft at first)
+@pytest.mark.parametrize("n_seq, capped", [(1, False), (4, True)])
+@pytest.mark.parametrize("chain", ["draft-mtp", "ngram-mod,draft-mtp"])
+def test_greedy_auto_with_mtp_equals_plain(mtp_path, tiled_costs, chain, n_seq, capped):
+    plain = make_engine(mtp_path)
+    expected = [run_together(plain, [prompt])[0] for prompt in PROMPTS[:n_seq]]
+    engine = make_engine(mtp_path, chain, n_seq=n_seq, draft_max=AUTO_DRAFT_MAX, adaptive=True)
+    tiled_costs(engine, capped)
+    assert run_together(engine, PROMPTS[:n_seq]) == expected
+    stats = engine.chain.stats["draft-mtp"]
+    assert stats.n_acc_tokens > 0 and len(stats.n_gen_tokens_per_pos) <= 3  # MTP's own cap is below 16
+
+
+@pytest.mark.parametrize("n_seq", [1, 4])
+def test_auto_with_real_calibration_and_timings_is_lossless(tiny_model_path, tiny_close_draft_path, plain_outputs,
+                                                            n_seq):
+    engine = auto_engine(tiny_model_path, "ngram-mod,draft-simple", tiny_close_draft_path, n_seq=n_seq)
+    for prompt, expected in zip(PROMPTS, plain_outputs):
+        assert run(engine, prompt)[0] == expected
+    assert engine.costs.calibrated and engine.costs.observed
+    stats = engine.chain.stats["ngram-mod"]
+    assert stats.n_gen_drafts and stats.mean_draft_len <= AUTO_DRAFT_MAX
+
+
+def test_cut_drafts_keep_rejection_sampling_exact(tiny_model_path, tiny_close_draft_path, tiled_costs):
+    """The draft distributions (probs) are cut with their tokens: the output distribution stays the target's."""
+    params = dict(temp=1.5, top_k=3, top_p=1.0, min_p=0.0)
+    engine = make_engine(tiny_model_path, "draft-simple", draft=tiny_close_draft_path, verify="rejection",
+                         draft_max=3, adaptive=True)
+    cuts = tiled_costs(engine, capped=False)
+    engine.costs.set_points({1: 1.0, 2: 1.3, 3: 2.2, 4: 3.0})  # one token pays, three rarely
+    prompt = PROMPTS[1]
+    exact = exact_two_token_distribution(engine, prompt, SamplingParams(**params))
+    n = 600
+    counts: Counter = Counter()
+    for seed in range(n):
+        out, _ = run(engine, prompt, 4, sampling=SamplingParams(seed=seed, **params))
+        counts[tuple(out[:2])] += 1
+    tv = 0.5 * sum(abs(counts[k] / n - exact.get(k, 0.0)) for k in set(exact) | set(counts))
+    assert tv < 0.12, f"total variation {tv:.3f}"  # as tests/test_generate_sampling.py
+    assert any(0 < n < full for full, n in cuts)
+
+
+def test_per_request_n_max_still_caps_auto(tiny_model_path, plain_outputs, tiled_costs):
+    from spec_cli.generate import SpecOverrides
+
+    engine = auto_engine(tiny_model_path, "ngram-simple", None)
+    tiled_costs(engine)
+    out, seq = run(engine, PROMPTS[0], spec=SpecOverrides(n_max=1))
+    assert out == plain_outputs[0] and seq.n_drafted > 0
+    assert len(engine.chain.stats["ngram-simple"].n_gen_tokens_per_pos) == 1
+
+
+# --- the flag ------------------------------------------------------------------------------------------------
+
+def test_cli_draft_max_auto(capsys, monkeypatch, tiny_model_path):
+    base = ["-m", str(tiny_model_path), "-p", PROMPT, "-n", "16", "--temp", "0", "--json"]
+    code, out, err = cli(capsys, monkeypatch, "run", *base)
+    assert code == 0, err
+    plain = json.loads(out)
+    code, out, err = cli(capsys, monkeypatch, "speculative-simple", *base, "--spec-type", "ngram-simple",
+                         "--spec-ngram-simple-size-n", "2", "--draft-max", "auto")
+    assert code == 0, err
+    spec = json.loads(out)
+    assert spec["content"] == plain["content"] and spec["n_draft"] == AUTO
+    assert "mean_draft_len" in spec["drafters"][0]
+
+
+@pytest.mark.parametrize("value", ["abc", "-3", "1.5"])
+def test_cli_bad_draft_max_is_a_usage_error(capsys, monkeypatch, tiny_model_path, value):
+    code, _, err = cli(capsys, monkeypatch, "speculative-simple", "-m", str(tiny_model_path), "-p", PROMPT,
+                       "--spec-type", "ngram-simple", f"--draft-max={value}")
+    assert code == 2
+    assert "--draft-max must be a non-negative integer or auto" in err
