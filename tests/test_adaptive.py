@@ -1,6 +1,6 @@
 """--draft-max auto (spec_cli/speculative/adaptive.py): the planner's math, the acceptance and cost models, and the
 invariant that matters most: cutting drafts to their planned length never changes greedy output, for every drafter
-type, one and four sequences at once. Plus the flag, in the CLI."""
+type, one and four sequences at once. Plus the flag, in the CLI and in bench sweeps."""
 
 from __future__ import annotations
 
@@ -9,8 +9,12 @@ import time
 from collections import Counter
 
 import pytest
+from typer.testing import CliRunner
 
 from spec_cli.batch import Batch
+from spec_cli.bench.params import from_flags
+from spec_cli.bench.runner import run_bench
+from spec_cli.cli import app
 from spec_cli.context import Context
 from spec_cli.sampling import SamplingParams
 from spec_cli.speculative import adaptive
@@ -18,6 +22,7 @@ from spec_cli.speculative.adaptive import (
     AUTO, AUTO_DRAFT_MAX, PROBE_GAP_MIN, AcceptanceModel, CostModel, DraftCost, Planner, expected_tokens,
 )
 from spec_cli.speculative.chain import Chain
+from tests.test_bench_run import prompt_file, tiny  # noqa: F401 (fixture)
 from tests.test_cli import PROMPT, cli
 from tests.test_generate_sampling import exact_two_token_distribution
 from tests.tiny_mtp import write_tiny_mtp_gguf
@@ -334,3 +339,19 @@ def test_cli_bad_draft_max_is_a_usage_error(capsys, monkeypatch, tiny_model_path
                        "--spec-type", "ngram-simple", f"--draft-max={value}")
     assert code == 2
     assert "--draft-max must be a non-negative integer or auto" in err
+
+
+def test_bench_sweeps_auto_next_to_fixed_lengths(tiny_model_path, prompt_file):  # noqa: F811
+    assert from_flags({"draft_max": ["4,16,auto"], "spec_type": ["ngram-mod"]}).draft_max == [4, 16, AUTO]
+    assert from_flags({"draft_max": ["1-4*2", "auto"], "spec_type": ["ngram-mod"]}).draft_max == [1, 2, 4, AUTO]
+    params = tiny(tiny_model_path, random_tests=False, spec_type=["ngram-simple"], draft_max=[2, AUTO],
+                  prompt_sets=[str(prompt_file)], n_gen=[8], repetitions=1)
+    rows = [r.to_dict() for r in run_bench(params)]
+    assert [(r["spec_type"], r["draft_max"]) for r in rows] == [("none", 0), ("ngram-simple", 2),
+                                                                 ("ngram-simple", AUTO)]
+    assert json.loads(json.dumps(rows[2]))["draft_max"] == AUTO  # the field reads back as written
+    result = CliRunner().invoke(app, ["bench", "-m", str(tiny_model_path), "-dev", "cpu", "--spec-type",
+                                      "ngram-simple", "--draft-max", "2,auto", "--prompts", str(prompt_file), "-n",
+                                      "4", "-r", "1", "--no-warmup"])
+    assert result.exit_code == 0, result.output
+    assert "auto |" in result.stdout  # the draft_max column of the md table

@@ -2,7 +2,7 @@
 
 Every parameter is a list. Numeric flags accept llama-bench's value syntax: comma lists (`1,2,4`), the flag
 repeated, and integer ranges `first-last` (step 1), `first-last+step` and `first-last*mult`; `last` is included only
-when reached exactly. Instances follow llama-bench's nested order, model outermost so a model is loaded once, then
+when reached exactly; `--draft-max` also takes `auto` (the adaptive draft length). Instances follow llama-bench's nested order, model outermost so a model is loaded once, then
 placement (dtype, layers, devices), batch sizes, flash attention, threads; depth is the innermost engine loop and
 inside it come the tests: pp per n_prompt, tg per n_gen, pg per pair, then the verify-cost test.
 
@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 
 from spec_cli.errors import UsageError
+from spec_cli.speculative.adaptive import AUTO, parse_draft_max
 from spec_cli.speculative.chain import parse_spec_types
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+)(?:([+*])(\d+))?)?$")
@@ -70,6 +71,15 @@ def parse_int_list(values: list[str] | None, default: list[int], flag: str, allo
                 except UsageError as e:
                     raise UsageError(f"{flag}: {e}") from None
     return out
+
+
+def parse_draft_max_list(values: list[str] | None, default: list[int | str]) -> list[int | str]:
+    """--draft-max sweep values: the integer syntax plus `auto`, kept as the string "auto" (so json/csv rows
+    read back the same)."""
+    out: list[int | str] = []
+    for item in parse_str_list(values, []):
+        out += [AUTO] if item.lower() == AUTO else parse_int_list([item], [], "--draft-max")
+    return out or list(default)
 
 
 def parse_float_list(values: list[str] | None, default: list[float], flag: str) -> list[float]:
@@ -138,7 +148,7 @@ class BenchParams:
     # speculative sweep
     spec_type: list[str] = field(default_factory=list)  # chains, canonical names joined by '+'
     model_draft: list[str] = field(default_factory=list)
-    draft_max: list[int] = field(default_factory=lambda: [16])
+    draft_max: list[int | str] = field(default_factory=lambda: [16])  # ints and/or "auto"
     draft_min: list[int] = field(default_factory=lambda: [0])
     draft_p_min: list[float] = field(default_factory=lambda: [0.75])
     spec_verify: list[str] = field(default_factory=lambda: ["auto"])
@@ -158,9 +168,11 @@ class BenchParams:
         return bool(self.spec_type or self.prompt_sets)
 
     def validate(self) -> None:
-        for name in ("n_prompt", "n_gen", "n_depth", "draft_max", "draft_min"):
+        for name in ("n_prompt", "n_gen", "n_depth", "draft_min"):
             if any(v < 0 for v in getattr(self, name)):
                 raise UsageError(f"{name} values must be >= 0")
+        for value in self.draft_max:
+            parse_draft_max(value)
         for name in ("n_batch", "n_ubatch"):
             if any(v < 1 for v in getattr(self, name)):
                 raise UsageError(f"{name} values must be >= 1")
@@ -193,7 +205,7 @@ class Test:
     temp: float = 0.0
     spec_type: str = "none"  # "none" = the plain run of the prompt set
     model_draft: str = ""
-    draft_max: int = 0
+    draft_max: int | str = 0  # or "auto"
     draft_min: int = 0
     draft_p_min: float = 0.0
     spec_verify: str = "auto"
@@ -289,7 +301,7 @@ def from_flags(flags: dict) -> BenchParams:
         dtype=parse_str_list(flags.get("dtype"), d.dtype),
         spec_type=spec_type,
         model_draft=model_draft,
-        draft_max=parse_int_list(flags.get("draft_max"), d.draft_max, "--draft-max"),
+        draft_max=parse_draft_max_list(flags.get("draft_max"), d.draft_max),
         draft_min=parse_int_list(flags.get("draft_min"), d.draft_min, "--draft-min"),
         draft_p_min=parse_float_list(flags.get("draft_p_min"), d.draft_p_min, "--draft-p-min"),
         spec_verify=parse_str_list(flags.get("spec_verify"), d.spec_verify),

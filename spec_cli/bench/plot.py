@@ -1,7 +1,8 @@
 """`--plot FILE.png`: draws a sweep with matplotlib (Agg backend, no display needed).
 
 Panels: tokens/s against draft length, one line per (model, spec type), with each plain run as a dashed
-horizontal line; speed-up against draft length with 1.0 marked; acceptance rate per draft position as grouped
+horizontal line (`--draft-max auto` sits one step right of the longest fixed length, labelled auto); speed-up
+against draft length with 1.0 marked; acceptance rate per draft position as grouped
 bars (one group per series at its largest draft length); and, when verify-cost rows exist, cost(k)/cost(1)
 against k next to the ideal flat line, which is the break-even mean acceptance length.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from spec_cli.errors import SpecCliError
+from spec_cli.speculative.adaptive import AUTO
 
 
 def _series(rows: list[dict]) -> dict[str, list[dict]]:
@@ -23,7 +25,21 @@ def _series(rows: list[dict]) -> dict[str, list[dict]]:
         label = f"{r['model_type']} {r['spec_type']}{draft} [{r['prompt_set']}" + (
             f", temp {r['temp']:g}]" if r["temp"] else "]")
         out.setdefault(label, []).append(r)
-    return {k: sorted(v, key=lambda r: r["draft_max"]) for k, v in out.items()}
+    return {k: sorted(v, key=lambda r: (r["draft_max"] == AUTO, 0 if r["draft_max"] == AUTO else r["draft_max"]))
+            for k, v in out.items()}
+
+
+def _draft_positions(series) -> tuple[dict, bool]:
+    """x of each draft-max value and whether the axis is log2: numbers as they are, auto one step past the
+    largest (twice it on a log axis)."""
+    values = {r["draft_max"] for rs in series.values() for r in rs}
+    numbers = sorted(v for v in values if v != AUTO)
+    log = bool(numbers) and numbers[-1] / max(numbers[0], 1) >= 8
+    x = {v: v for v in numbers}
+    if AUTO in values:
+        top = numbers[-1] if numbers else 1
+        x[AUTO] = 2 * top if log else top + 1
+    return x, log
 
 
 def plot_rows(rows: list[dict], path: str | Path) -> None:
@@ -54,8 +70,9 @@ def plot_rows(rows: list[dict], path: str | Path) -> None:
 
 
 def _tokens_per_second(ax, series, plain, _verify) -> None:
+    x, _ = _draft_positions(series)
     for label, rs in series.items():
-        ax.errorbar([r["draft_max"] for r in rs], [r["avg_ts"] for r in rs], yerr=[r["stddev_ts"] for r in rs],
+        ax.errorbar([x[r["draft_max"]] for r in rs], [r["avg_ts"] for r in rs], yerr=[r["stddev_ts"] for r in rs],
                     marker="o", capsize=3, label=label)
     for r in plain:
         ax.axhline(r["avg_ts"], linestyle="--", color="gray", linewidth=1)
@@ -67,8 +84,9 @@ def _tokens_per_second(ax, series, plain, _verify) -> None:
 
 
 def _speedup(ax, series, _plain, _verify) -> None:
+    x, _ = _draft_positions(series)
     for label, rs in series.items():
-        pts = [(r["draft_max"], r["speedup"]) for r in rs if r["speedup"] is not None]
+        pts = [(x[r["draft_max"]], r["speedup"]) for r in rs if r["speedup"] is not None]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.axhline(1.0, linestyle="--", color="gray", linewidth=1)
     ax.set(xlabel="draft max (tokens)", ylabel="speed-up vs plain", title="speed-up (same prompts, same run)")
@@ -104,7 +122,7 @@ def _verify(ax, _series, _plain, verify) -> None:
 
 
 def _draft_axis(ax, series) -> None:
-    ticks = sorted({r["draft_max"] for rs in series.values() for r in rs})
-    if ticks and ticks[-1] / max(ticks[0], 1) >= 8:
+    x, log = _draft_positions(series)
+    if log:
         ax.set_xscale("log", base=2)
-    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set_xticks(list(x.values()), [str(v) for v in x])

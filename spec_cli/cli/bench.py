@@ -8,7 +8,7 @@ Examples:
   spec-cli bench -m qwen2.5-coder-0.5b,qwen2.5-coder-1.5b -p 512 -n 128
   spec-cli bench -m qwen2.5-coder-1.5b --verify-cost 16 -d 0,512 -r 3
   spec-cli bench -m qwen2.5-coder-1.5b -md qwen2.5-coder-0.5b --spec-type ngram-simple,ngram-mod,draft-simple \\
-      --draft-max 1-16*2 --prompt-set code-edit -n 64 -r 2 --plot sweep.png
+      --draft-max 1-16*2,auto --prompt-set code-edit -n 64 -r 2 --plot sweep.png
   spec-cli bench -o jsonl --baseline main.jsonl --max-regression 10     # CI gate: exit 1 on a real slowdown
 """
 
@@ -52,7 +52,7 @@ def bench(
     spec_type: _L = _spec("--spec-type", help="drafters to sweep; a comma starts the next value, + joins one chain "
                           "(ngram-mod+draft-simple)"),
     model_draft: _L = _spec("-md", "--model-draft", help="draft models (alone: sweeps draft-simple)"),
-    draft_max: _L = _spec("--draft-max", help="max draft tokens (default: 16)"),
+    draft_max: _L = _spec("--draft-max", help="max draft tokens, or auto: the adaptive draft length (default: 16)"),
     draft_min: _L = _spec("--draft-min", help="min draft tokens (default: 0)"),
     draft_p_min: _L = _spec("--draft-p-min", help="draft-model p-min (default: 0.75)"),
     spec_verify: _L = _spec("--spec-verify", help="auto | match | rejection (default: auto)"),
