@@ -76,6 +76,13 @@ def resolve(value: str | None) -> Path:
     return resolve_model(value)
 
 
+def verify_cost_cache() -> Path:
+    """Where `--draft-max auto` keeps its verify-cost calibrations (next to the models)."""
+    from spec_cli.models import cache_dir
+
+    return cache_dir() / "verify-cost.json"
+
+
 def build_engine(opts: EngineOptions) -> Engine:
     if opts.threads:
         if opts.threads < 1:
@@ -96,7 +103,7 @@ def build_engine(opts: EngineOptions) -> Engine:
                            opts.dtype)
         check_vocab_compatible(tokenizer, Tokenizer.from_metadata(draft.gguf.metadata))
         draft_ctx = Context(draft, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)  # same n_ctx as the target (#22554)
-    engine = Engine(target, tokenizer, ctx, None, spec, draft, draft_ctx)
+    engine = Engine(target, tokenizer, ctx, None, spec, draft, draft_ctx, costs=CostModel(verify_cost_cache()))
     if "draft-mtp" in spec.types:
         head = load_mtp_head(target)
         if head is None:

@@ -14,6 +14,14 @@ from tests.tiny_gguf import write_tiny_gguf
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def verify_cost_cache(tmp_path, monkeypatch) -> Path:
+    """`--draft-max auto` calibrations go to a per-test file, not the user's cache (in-process engines)."""
+    path = tmp_path / "verify-cost.json"
+    monkeypatch.setattr("spec_cli.engine.verify_cost_cache", lambda: path)
+    return path
+
+
 @pytest.fixture
 def two_threads():
     old = torch.get_num_threads()

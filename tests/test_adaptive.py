@@ -131,6 +131,33 @@ def test_calibration_is_cheap_and_leaves_the_kv_cache_as_it_was(tiny_model_path)
     assert ctx.decode(again).logits[0].tolist() == pytest.approx(before[0].tolist(), abs=1e-5)
 
 
+def test_calibration_is_cached_per_model_and_settings(tiny_model_path, tmp_path, monkeypatch):
+    """A second engine on the same model file and settings reads the curve instead of timing forwards; another
+    sequence count calibrates anew; an unreadable cache file is only a reason to calibrate."""
+    cache = tmp_path / "verify-cost.json"
+    monkeypatch.setattr("spec_cli.engine.verify_cost_cache", lambda: cache)
+
+    def calibrated(n_seq: int):
+        engine = make_engine(tiny_model_path, n_seq=n_seq)
+        batch = Batch()
+        for i, tok in enumerate(PROMPTS[0]):
+            batch.add(tok, i, 0, False)
+        engine.ctx.decode(batch)
+        engine.costs.calibrate(engine.ctx, 0)
+        return engine.costs
+
+    first = calibrated(1)
+    assert len(json.loads(cache.read_text())) == 1
+    real_timer = adaptive.time_forwards
+    monkeypatch.setattr(adaptive, "time_forwards", lambda *a, **k: pytest.fail("timed forwards despite the cache"))
+    again = calibrated(1)
+    assert (again.rows, again.seconds) == (first.rows, first.seconds)
+    monkeypatch.setattr(adaptive, "time_forwards", real_timer)
+    assert calibrated(2).rows[-1] == 32 and len(json.loads(cache.read_text())) == 2
+    cache.write_text("{not json")
+    assert calibrated(1).calibrated and len(json.loads(cache.read_text())) == 1
+
+
 # --- the planner -----------------------------------------------------------------------------------------------
 
 def test_no_draft_when_acceptance_is_low_and_rows_are_expensive():

@@ -68,7 +68,7 @@ def test_llamacpp_text_log(capsys, monkeypatch, tiny_model_path):
                          "--temp", "0", "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2",
                          "--log-format", "text")
     assert code == 0, err
-    for line in ("encoded", "decoded", "n_draft   = 16", "n_predict = 16", "n_drafted =", "n_accept  =", "accept    =",
+    for line in ("encoded", "decoded", "n_draft   = auto", "n_predict = 16", "n_drafted =", "n_accept  =", "accept    =",
                  "statistics     ngram-simple: #calls(b,g,a) ="):
         assert line in err, line
 

@@ -24,7 +24,7 @@ from spec_cli.lookup import (
     attach_lookup_chain, build_static_cache, load_tokenizer, lookup_figures, merge_cache_files, save_dynamic_cache,
     simulate, tokenize_corpus,
 )
-from spec_cli.speculative.adaptive import AUTO, draft_bound, parse_draft_max
+from spec_cli.speculative.adaptive import draft_bound, parse_draft_max
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.ngram_cache import save_cache
 
@@ -106,9 +106,7 @@ def lookup_stats(
     json_output: bool = typer.Option(False, "--json", help="print the figures as one JSON object"),
 ) -> None:
     """Offline lookup simulation: replay a text in chunks, drafting at every token (llama-lookup-stats)."""
-    draft_max = parse_draft_max(opts["draft_max"])
-    if draft_max == AUTO:
-        raise UsageError("lookup-stats has no target to time, so --draft-max auto cannot plan: give a number")
+    draft_max, _ = draft_bound(parse_draft_max(opts["draft_max"]))  # no target to time: auto drafts up to its bound
     tokens = tokenize_corpus(load_tokenizer(opts["model"]), file)
     figures = simulate(tokens, ctx_size, draft_max, opts["lookup_cache_static"],
                        opts["lookup_cache_dynamic"])

@@ -69,9 +69,9 @@ SPEC = ("Speculative decoding", [
     Opt("ctx_size_draft", int, 0, ("-cd", "--ctx-size-draft"), "ignored: the draft context equals the target's"),
     Opt("threads_draft", Optional[int], None, ("-td", "--threads-draft", "--spec-draft-threads"),
         "accepted for compatibility: torch uses one thread pool"),
-    Opt("draft_max", str, "16", ("--draft-max", "--draft", "--draft-n", "--spec-draft-n-max"),
-        "max draft tokens per step, or auto: per step the length that maximizes expected tokens/s from the measured "
-        "verify cost and each drafter's acceptance (at most 16)"),
+    Opt("draft_max", str, "auto", ("--draft-max", "--draft", "--draft-n", "--spec-draft-n-max"),
+        "max draft tokens per step (N), or auto: per step the length that maximizes expected tokens/s from the "
+        "measured verify cost and each drafter's acceptance (at most 16)"),
     Opt("draft_min", int, 0, ("--draft-min", "--draft-n-min", "--spec-draft-n-min"), "min draft tokens (else no draft)"),
     Opt("draft_p_min", float, 0.75, ("--draft-p-min", "--spec-draft-p-min"), "stop drafting below this probability"),
     Opt("spec_verify", str, "auto", ("--spec-verify",), "auto | match | rejection"),

@@ -23,9 +23,12 @@ denominator, so a draft that was paid for is not thrown away for nothing.
 from __future__ import annotations
 
 import bisect
+import json
+import os
 import random
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 
@@ -98,7 +101,8 @@ class CostModel:
     curve plus the EMA of the gap between observed and calibrated times, i.e. what the bare forward does not see
     (verification, rollback, draft-simple mirroring the batch on the draft model, a busier machine)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cache: Path | None = None) -> None:
+        self.cache = cache  # JSON file of earlier calibrations (a command's startup would pay ~3 s on a 1.5B model)
         self.rows: list[int] = []  # calibration points, ascending
         self.seconds: list[float] = []
         self.observed: dict[int, float] = {}
@@ -109,7 +113,14 @@ class CostModel:
         return bool(self.rows)
 
     def calibrate(self, ctx: Context, seq: int) -> None:
-        """Time forwards on `seq` after the cells it holds (removed again); rows that do not fit are extrapolated."""
+        """Time forwards on `seq` after the cells it holds (removed again); rows that do not fit are extrapolated.
+        A calibration of the same model file, weights, device, threads and sequence count is read from the cache
+        instead (the online refinement corrects what differs now, e.g. the machine's load)."""
+        key = _calibration_key(ctx)
+        cached = _read_cache(self.cache).get(key) if self.cache and key else None
+        if cached:
+            self.set_points({int(k): v for k, v in cached.items()})
+            return
         room = min(ctx.n_ctx_seq - ctx.lengths[seq], ctx.n_batch)
         ks = [k for k in CALIBRATION_ROWS + (MULTI_SEQ_ROWS if ctx.n_seq > 1 else ()) if k <= room]
         sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
@@ -119,6 +130,9 @@ class CostModel:
         time_forwards(ctx, seq, ks[:1], 1, rng, sync)
         samples = time_forwards(ctx, seq, ks, 2, rng, sync)
         self.set_points({k: min(ns) / 1e9 for k, ns in samples.items()})
+        full = len(ks) == len(CALIBRATION_ROWS) + (len(MULTI_SEQ_ROWS) if ctx.n_seq > 1 else 0)
+        if self.cache and key and full:  # a curve cut short by a small context is not kept
+            _write_cache(self.cache, key, dict(zip(self.rows, self.seconds)))
 
     def set_points(self, seconds_by_rows: dict[int, float]) -> None:
         self.rows = sorted(seconds_by_rows)
@@ -144,6 +158,41 @@ class CostModel:
         prior = self(rows)
         self.offset += COST_EMA * (seconds - self.curve(rows) - self.offset)
         self.observed[rows] = prior + COST_EMA * (seconds - prior)
+
+
+CACHE_ENTRIES = 32  # calibrations kept, newest last
+
+
+def _calibration_key(ctx: Context) -> str | None:
+    gf = ctx.loaded.gguf
+    if gf is None:
+        return None
+    st = gf.path.stat()
+    parts = (gf.path.resolve(), st.st_size, st.st_mtime_ns, ctx.loaded.weights, ctx.device, torch.get_num_threads(),
+             ctx.n_seq, torch.__version__)
+    return "|".join(map(str, parts))
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # none yet, or unreadable: calibrate again
+    return data if isinstance(data, dict) else {}
+
+
+def _write_cache(path: Path, key: str, seconds_by_rows: dict[int, float]) -> None:
+    data = _read_cache(path)
+    data.pop(key, None)
+    data[key] = {str(k): v for k, v in seconds_by_rows.items()}
+    data = dict(list(data.items())[-CACHE_ENTRIES:])
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache only costs the next command a calibration
 
 
 class AcceptanceModel:
