@@ -30,6 +30,7 @@ from spec_cli.bench.prompts import load_prompt_set, render_tokens
 from spec_cli.engine import Engine, EngineOptions, build_chain, build_engine
 from spec_cli.models import resolve_model
 from spec_cli.sampling import SamplingParams
+from spec_cli.speculative.adaptive import draft_bound, parse_draft_max
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.chain import parse_spec_types
 from spec_cli.speculative.stats import DrafterStats
@@ -74,7 +75,8 @@ class Config:
 
 def spec_cli_runner(engine: Engine, types: list[str], draft_max, n_gen: int) -> Callable[[list[int]], Run]:
     def run(prompt: list[int]) -> Run:
-        engine.spec.types, engine.spec.draft_max = types, draft_max
+        engine.spec.types = types
+        engine.spec.draft_max, engine.spec.adaptive = draft_bound(draft_max)
         engine.reset()
         engine.chain = build_chain(engine) if types else None  # cold n-gram state for every prompt
         engine.ctx.capture_hidden = "draft-mtp" in types  # only MTP reads the target's hidden states
@@ -94,8 +96,8 @@ def spec_cli_runner(engine: Engine, types: list[str], draft_max, n_gen: int) -> 
 def parse_spec(text: str) -> tuple[list[str], int | str]:
     types, _, draft_max = text.rpartition(":")
     if not types:
-        raise SystemExit(f"--spec '{text}': expected TYPES:DRAFT_MAX, e.g. ngram-mod:16")
-    return parse_spec_types(types), draft_max if draft_max == "auto" else int(draft_max)
+        raise SystemExit(f"--spec '{text}': expected TYPES:DRAFT_MAX, e.g. ngram-mod:16 or ngram-mod:auto")
+    return parse_spec_types(types), parse_draft_max(draft_max)
 
 
 def llama_cpp_runner(model_path: str, threads: int, n_ctx: int, n_gen: int, eog: set[int],
@@ -159,6 +161,8 @@ def main() -> None:
         configs.append(Config("llama.cpp", "prompt lookup (10)", llama_cpp_runner(
             model_path, args.threads, 4096, args.n_gen, eog, lookup=True)))
 
+    for cfg in configs:  # untimed warmup: one-time costs (allocations, auto's verify-cost calibration) stay out
+        cfg.run(prompts[0])
     for rnd in range(args.rounds):
         for cfg in configs:
             cfg.runs.append([])
