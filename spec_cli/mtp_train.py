@@ -66,7 +66,7 @@ class TrainConfig:
     seq_len: int = 256
     batch: int = 4
     data_tokens: int = 65536  # training tokens run through the target (text + generations)
-    gen_tokens: int = 4096  # of which: the target's own greedy continuations
+    gen_tokens: int = 16384  # of which: the target's own greedy continuations (they matter most, README)
     eval_tokens: int = 2048  # held-out tokens for the acceptance estimate
     cos_weight: float = 1.0
     ridge: float = 1e-2  # relative L2 regularisation of the eh_proj least-squares init

@@ -4,6 +4,7 @@ partial acceptance, greedy losslessness alone and in a chain for one and four se
 
 from __future__ import annotations
 
+import json
 import random
 import sysconfig
 from pathlib import Path
@@ -342,3 +343,20 @@ def test_mtp_on_a_model_without_head_is_a_clear_error(tiny_model_path):
 
     with pytest.raises(SpecCliError, match="MTP"):
         build_engine(EngineOptions(model=str(tiny_model_path), device="cpu", spec=SpecParams(types=["draft-mtp"])))
+
+
+def test_mtp_train_command_writes_a_loadable_head(capsys, monkeypatch, tiny_model_path, tmp_path):
+    from tests.test_cli import cli
+
+    out_path = tmp_path / "cli-mtp.gguf"
+    code, out, err = cli(capsys, monkeypatch, "mtp-train", "-m", str(tiny_model_path), "-o", str(out_path),
+                         "--steps", "3", "--seq-len", "32", "--batch", "2", "--data-tokens", "256", "--gen-tokens", "64",
+                         "--eval-tokens", "64", "--draft-vocab", "50", "-dev", "cpu", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["steps"] == 3 and Path(result["out_path"]) == out_path
+    head = load_mtp_head(load_model(out_path, device="cpu"))
+    assert head is not None and head.draft_vocab.shape == (50,)
+    code, _, err = cli(capsys, monkeypatch, "mtp-train", "-m", str(tiny_model_path), "-o", str(out_path),
+                       "--draft-vocab", "-1")
+    assert code == 2 and "--draft-vocab" in err
