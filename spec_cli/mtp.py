@@ -101,28 +101,33 @@ class MTPHead(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., D] (pre-norm) -> logits [..., V] float32."""
-        return self._project(self.head if self.head is not None else self.target.output, hidden)
+        return self._project(*self._output(), hidden)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., D] -> logits over the draft vocabulary [..., len(draft_vocab)] (all V rows without one);
         row i of the result is token draft_vocab[i]."""
         if self.draft_out is None:
             return self.logits(hidden)
-        return self._project(self.draft_out, hidden)
+        return self._project(self.draft_out, self._output()[1], hidden)  # draft_out lives where its source does
 
     def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
         """Draft only among `ids` (the most frequent tokens): the output matrix is most of a head's cost per drafted
         token (151,936 rows for qwen2.5), and a draft outside the set is merely rejected. Needs an output layer whose
         rows can be selected (float or int8; an int4-packed output keeps the full vocabulary)."""
-        out = self.head if self.head is not None else self.target.output
+        out, device = self._output()
         draft_out = None
         if ids is not None and hasattr(out, "select_rows"):
-            draft_out = out.select_rows(ids.to(out.weight.device, torch.long))
+            draft_out = out.select_rows(ids.to(device, torch.long))
         object.__setattr__(self, "draft_out", draft_out)  # derived from shared weights: not the head's own
         self.draft_vocab = None if draft_out is None else ids.to(self.device, torch.long)
 
-    def _project(self, out: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        device = self.device if out is not self.target.output else self.target.output_device
+    def _output(self) -> tuple[nn.Module, torch.device]:
+        """The output matrix the head projects with (its own, else the target's) and the device it is on."""
+        if self.head is not None:
+            return self.head, self.device
+        return self.target.output, self.target.output_device
+
+    def _project(self, out: nn.Module, device: torch.device, hidden: torch.Tensor) -> torch.Tensor:
         return out(self.normed(hidden).to(device, self.dtype)).float()
 
     def own_tensors(self) -> dict[str, torch.Tensor]:
