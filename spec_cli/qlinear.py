@@ -16,8 +16,8 @@ cost grows with ceil(rows / 4) (they are float32 FMA kernels; scripts/measure_en
 
 Measured relative error of a layer's output against float32 weights: ~0.35% (int4), 1-2% (int8). llama.cpp rounds
 activations to 8 bits per block before these products, an error of the same order; with these layers all four
-models keep llama.cpp's greedy token wherever its top-2 margin is clear (test_parity.py's teacher-forced criterion;
-tests/test_qlinear.py runs it for smollm2-135m and qwen2.5-coder-0.5b).
+models keep llama.cpp's greedy token wherever its top-2 margin is clear (tests/test_parity.py's teacher-forced
+criterion, run with these layers, the CPU default, and with float32).
 Rows are computed independently of each other, so a verify batch gives the logits of single-row decodes.
 """
 

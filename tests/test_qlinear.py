@@ -6,8 +6,8 @@
   with (read back through an identity input) is (q - 8) * s + z with the bfloat16 s, z we chose, and lies within
   the documented bound of the exact weight;
 - int8 rows (other block types) are within half a scale of the exact weight;
-- concatenated (fused) products equal the separate ones; a model loaded with dtype="q" stays close to float32
-  and keeps llama.cpp's greedy choices wherever they are clear (real models).
+- concatenated (fused) products equal the separate ones; a model loaded with dtype="q" stays close to float32.
+llama.cpp parity with quantized weights (the default on the CPU) is tests/test_parity.py's, for all four models.
 """
 
 from __future__ import annotations
@@ -188,24 +188,3 @@ def test_verify_batch_equals_one_row_at_a_time(quantized_tiny, arch, qtype):
     ctx = Context(loaded, n_ctx=256)
     one_by_one = torch.cat([ctx.decode(_rows([tok], start=i)).logits for i, tok in enumerate(tokens)])
     torch.testing.assert_close(one_by_one, full, atol=2e-3, rtol=0)
-
-
-@pytest.mark.real_model
-@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])  # int4 (Q4_1) and int8 (Q5_0) models
-def test_real_model_q_keeps_llamacpp_choices(name):
-    """tests/test_parity.py's teacher-forced criterion with dtype="q": same argmax where llama.cpp's margin is
-    clear, and every disagreement a near tie for us too."""
-    from tests.real_models import real_model, reference
-    from tests.test_parity import CLEAR_MARGIN, NEAR_TIE
-
-    loaded = load_model(real_model(name), device="cpu", dtype="q")
-    for case in reference(name)["greedy"]:
-        prompt, output = case["prompt_ids"], case["output_ids"]
-        batch = Batch()
-        for i, tok in enumerate(prompt + output):
-            batch.add(tok, i, 0, i >= len(prompt) - 1)
-        logits = Context(loaded, n_ctx=1024).decode(batch).logits[: len(output)]
-        for i, (mine, theirs) in enumerate(zip(logits.argmax(-1).tolist(), output)):
-            if mine != theirs:
-                their_margin, our_margin = case["top1_minus_top2_logit"][i], float(logits[i, mine] - logits[i, theirs])
-                assert their_margin <= CLEAR_MARGIN and our_margin <= NEAR_TIE, (case["id"], i, their_margin, our_margin)
