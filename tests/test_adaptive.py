@@ -337,6 +337,18 @@ def test_cut_drafts_keep_rejection_sampling_exact(tiny_model_path, tiny_close_dr
     assert any(0 < n < full for full, n in cuts)
 
 
+def test_a_cut_never_leaves_a_model_draft_shorter_than_draft_min(tiny_model_path, tiny_close_draft_path,
+                                                                  plain_outputs, tiled_costs):
+    engine = make_engine(tiny_model_path, "draft-simple", draft=tiny_close_draft_path, draft_max=8, adaptive=True,
+                         draft_min=3)
+    cuts = tiled_costs(engine, capped=False)
+    for prompt, expected in zip(PROMPTS, plain_outputs):
+        assert run(engine, prompt)[0] == expected
+    assert any(0 < n < 3 for _, n in cuts)  # the planner asked for drafts below the minimum ...
+    per_pos = engine.chain.stats["draft-simple"].n_gen_tokens_per_pos
+    assert per_pos[0] > 0 and per_pos[0] == per_pos[2]  # ... but every verified draft had at least 3 tokens
+
+
 def test_per_request_n_max_still_caps_auto(tiny_model_path, plain_outputs, tiled_costs):
     from spec_cli.generate import SpecOverrides
 

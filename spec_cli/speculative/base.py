@@ -64,6 +64,10 @@ class DraftParams:
     sampling: Any = None  # the target's SamplingParams when verification is by rejection: model drafters then
     #                       sample from their own filtered distribution and return it in `probs` (else greedy)
 
+    def min_length(self, params: SpecParams) -> int:
+        """Shortest draft a model drafter may hand in (this request's n_min, else --draft-min): shorter is dropped."""
+        return self.n_min if self.n_min is not None else params.draft_min
+
 
 class Drafter(Protocol):
     name: str

@@ -111,8 +111,11 @@ class Chain:
     def cut(self, p: DraftParams, n: int) -> None:
         """Verify only the first n tokens of p's draft (adaptive draft length; 0 = no draft this step). Verifying a
         prefix of a draft is as lossless as verifying all of it. A drafter whose accept-time bookkeeping depends on
-        its draft's length defines `shorten(seq, n)` and hears of the cut (ngram-mod's acceptance fraction)."""
+        its draft's length defines `shorten(seq, n)` and hears of the cut (ngram-mod's acceptance fraction).
+        A model drafter's draft cut below --draft-min is dropped whole, as the drafter drops a short draft itself."""
         winner = self.last[p.seq]
+        if winner is not None and winner.name in MODEL_TYPES and n < p.min_length(winner.params):
+            n = 0
         del p.result[n:]
         if p.probs is not None:
             p.probs = p.probs[:n] if n else None

@@ -123,8 +123,7 @@ class DraftModelDrafter:
             logits = self._decode(step)
             rows = {seq: i for i, seq in enumerate(step.seq_ids)}
         for p in params:
-            n_min = p.n_min if p.n_min is not None else self.params.draft_min
-            if len(p.result) < n_min:
+            if len(p.result) < p.min_length(self.params):
                 p.result.clear()
             elif p.sampling is not None and p.result:
                 p.probs = torch.stack(q_rows[p.seq])  # [len(result), n_vocab_draft]

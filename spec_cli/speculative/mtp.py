@@ -126,8 +126,7 @@ class MTPDrafter:
                 self.ctx.set_feed(fed_seqs, fed_pos, hidden[fed_rows])
             batch = step
         for p in params:
-            n_min = p.n_min if p.n_min is not None else self.params.draft_min
-            if len(p.result) < n_min:
+            if len(p.result) < p.min_length(self.params):
                 p.result.clear()
 
     def _catch_up(self, batch: Batch, seqs) -> Batch:
