@@ -153,16 +153,10 @@ def _teacher_forced_logits(loaded, tokens: list[int]) -> torch.Tensor:
 
 
 @pytest.fixture
-def quantized_tiny(tmp_path, monkeypatch):
+def quantized_tiny(tmp_path):
     """Factory: a tiny model of `arch` with its 2-D weights in `qtype`."""
-    from gguf import GGUFWriter
-
     from tests.tiny_gguf import write_tiny_gguf
 
-    # tests/tiny_gguf.py passes a quantized tensor's value shape as raw_shape, where gguf expects its byte shape
-    add_tensor = GGUFWriter.add_tensor
-    monkeypatch.setattr(GGUFWriter, "add_tensor", lambda self, name, tensor, raw_shape=None, raw_dtype=None:
-                        add_tensor(self, name, tensor, None if tensor.dtype == np.uint8 else raw_shape, raw_dtype))
     return lambda arch, qtype: write_tiny_gguf(tmp_path / f"{arch}-{qtype.name}.gguf", arch=arch, seed=5, qtype=qtype,
                                                n_layer=6 if arch == "gemma3" else 2)
 

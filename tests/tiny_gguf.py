@@ -83,7 +83,7 @@ def write_tiny_gguf(
             arr = arr + noise.standard_normal(shape) * scale * perturb
         arr = arr.astype(np.float32)
         if quantize and qtype != GGMLQuantizationType.F32 and len(shape) == 2:
-            w.add_tensor(name, quants.quantize(arr, qtype), raw_shape=arr.shape, raw_dtype=qtype)
+            w.add_tensor(name, quants.quantize(arr, qtype), raw_dtype=qtype)  # gguf infers the shape from the bytes
         else:
             w.add_tensor(name, arr)
 
