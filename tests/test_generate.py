@@ -8,6 +8,7 @@ import pytest
 from spec_cli.engine import EngineOptions, build_engine
 from spec_cli.generate import SpecOverrides, generate
 from spec_cli.sampling import SamplingParams
+from spec_cli.speculative import draft_model
 from spec_cli.speculative.base import SpecParams
 
 GREEDY = SamplingParams(temp=0.0)
@@ -67,7 +68,10 @@ def test_greedy_speculation_equals_plain_one_sequence(tiny_model_path, tiny_draf
 
 
 @pytest.mark.parametrize("chain", ["ngram-mod", "draft-simple", "ngram-simple,ngram-cache,draft-simple"])
-def test_greedy_speculation_equals_plain_four_sequences(tiny_model_path, tiny_draft_path, plain_outputs, chain):
+@pytest.mark.parametrize("defer_max", [draft_model.DEFER_MAX, 0])  # 0: the draft model catches up in process()
+def test_greedy_speculation_equals_plain_four_sequences(tiny_model_path, tiny_draft_path, plain_outputs, chain,
+                                                        defer_max, monkeypatch):
+    monkeypatch.setattr(draft_model, "DEFER_MAX", defer_max)
     engine = make_engine(tiny_model_path, chain, draft=tiny_draft_path, n_seq=4)
     gen = engine.generator()
     outs: dict[int, list[int]] = {seq: [] for seq in range(len(PROMPTS))}
@@ -85,12 +89,40 @@ def test_greedy_speculation_equals_plain_four_sequences(tiny_model_path, tiny_dr
     assert sum(s.n_accepted for s in seqs.values()) > 0
 
 
-def test_self_draft_accepts_everything(tiny_model_path, plain_outputs):
+@pytest.mark.parametrize("defer_max", [draft_model.DEFER_MAX, 0])
+def test_self_draft_accepts_everything(tiny_model_path, plain_outputs, defer_max, monkeypatch):
+    """The target as its own draft model: any wrong row in the draft cache would show as a rejected draft."""
+    monkeypatch.setattr(draft_model, "DEFER_MAX", defer_max)
     engine = make_engine(tiny_model_path, "draft-simple", draft=tiny_model_path)
     out, seq = run(engine, PROMPTS[0])
     assert out == plain_outputs[0]
     assert seq.n_accepted == seq.n_drafted > 0
     assert engine.chain.stats["draft-simple"].acc_rate_per_pos[0] == 1.0
+
+
+def test_an_idle_draft_model_catches_up_in_batches(tiny_model_path, plain_outputs, monkeypatch):
+    """A draft model the chain does not ask (here per-request types; the adaptive planner does the same) decodes the
+    target's tokens DEFER_MAX positions at a time, not once per step; asked again, it drafts from an exact cache."""
+    monkeypatch.setattr(draft_model, "DEFER_MAX", 8)
+    engine = make_engine(tiny_model_path, "ngram-simple,draft-simple", draft=tiny_model_path)
+    engine.reset()
+    ctx = engine.chain.drafters[-1].ctx
+    decoded_rows = []
+    decode = ctx.decode
+    monkeypatch.setattr(ctx, "decode", lambda batch, **kw: decoded_rows.append(len(batch)) or decode(batch, **kw))
+    gen = engine.generator()
+    out = gen.start(0, PROMPTS[0], GREEDY, N_PREDICT, SpecOverrides(types={"ngram-simple"})).tokens
+    s = gen.active[0]
+    while s.n_generated < N_PREDICT // 2:
+        out += [t for e in gen.step() for t in e.tokens]
+    assert gen.timings.n_steps >= 8 and len(decoded_rows) <= 1 + s.n_past // 8
+    assert all(n > 8 for n in decoded_rows)  # whole catch-ups only, no per-step mirroring
+    s.spec.types = None  # draft-simple may draft again
+    while not s.done:
+        out += [t for e in gen.step() for t in e.tokens]
+    assert out == plain_outputs[0]
+    stats = engine.chain.stats["draft-simple"]
+    assert stats.n_gen_tokens > 0 and stats.n_acc_tokens == stats.n_gen_tokens
 
 
 def test_statistics_are_consistent(tiny_model_path, tiny_draft_path):

@@ -1,9 +1,12 @@
 """`draft-simple`: a small draft model with its own context (llama.cpp common/speculative.cpp, draft-simple impl).
 
-The draft context mirrors the target's KV position for position. `process` replays each target batch but skips
-rows the draft cache already holds with the same token (accepted draft tokens were decoded while drafting),
-so a verify step usually costs the draft nothing. `draft` decodes id_last for every drafting sequence in one
-batch, then one batch per draft position, taking the top-1 of a top-k 10 softmax and stopping below p_min.
+The draft context follows the target's KV position for position, lazily: `process` only records the target's
+tokens, and `draft` decodes what the draft cache lacks (positions past the common prefix of its tokens and the
+committed history: rejected draft tokens are replaced, accepted ones were decoded while drafting) in one batch with
+id_last for every drafting sequence, so a verify step usually costs the draft nothing. A sequence more than
+DEFER_MAX positions behind (a prompt, or steps where the adaptive planner did not ask this drafter) is caught up by
+`process` itself, in one batch: an idle draft model costs one decode per DEFER_MAX target tokens, not one per step.
+Then one batch per draft position, taking the top-1 of a top-k 10 softmax and stopping below p_min.
 When verification is by rejection (`DraftParams.sampling` set), the draft instead samples each token from its own
 distribution under the target's sampler settings and returns those distributions (q) for exact rejection sampling.
 """
@@ -21,6 +24,7 @@ from spec_cli.speculative.base import DraftParams, SpecParams
 DRAFT_TOP_K = 10  # llama.cpp LLAMA_DRAFT_TOP_K
 VOCAB_MAX_SIZE_DIFFERENCE = 128  # llama.cpp SPEC_VOCAB_MAX_SIZE_DIFFERENCE
 VOCAB_CHECK_START_TOKEN_ID = 5  # llama.cpp SPEC_VOCAB_CHECK_START_TOKEN_ID
+DEFER_MAX = 64  # target positions a sequence's draft cache may lag behind before `process` catches it up
 
 
 def check_vocab_compatible(target_tok, draft_tok) -> None:
@@ -53,47 +57,37 @@ class DraftModelDrafter:
         self.ctx = ctx
         self.params = params
         self.cached: list[list[int]] = [[] for _ in range(n_seq)]  # tokens in the draft KV, by position
+        self.target: list[list[int]] = [[] for _ in range(n_seq)]  # tokens in the target KV, as far as known
         self.rng: list[torch.Generator | None] = [None] * n_seq  # per request, for sampled drafts
 
     def begin(self, seq: int, prompt: list[int]) -> None:
         self.rng[seq] = None  # the prompt itself arrived through process()
 
     def process(self, batch: Batch) -> None:
-        mirror = Batch()
+        late = Batch()
         for seq in dict.fromkeys(batch.seq_ids):
             rows = batch.rows_of(seq)
-            cached = self._synced(seq)
-            skip = 0
-            for i in rows:  # rows already in the draft cache with the same token need no decode
-                pos = batch.pos[i]
-                if pos < len(cached) and cached[pos] == batch.tokens[i]:
-                    skip += 1
-                else:
-                    break
-            todo = rows[skip:]
-            if todo:
-                self._trim(seq, batch.pos[todo[0]])
-                for i in todo:
-                    mirror.add(batch.tokens[i], batch.pos[i], seq, False)
-        if len(mirror):
-            self._decode(mirror)
+            known, p0 = self.target[seq], batch.pos[rows[0]]
+            if p0 > len(known):  # positions filled without this drafter: draft() catches up from the history
+                known.clear()
+                continue
+            del known[p0:]
+            known.extend(batch.tokens[i] for i in rows)
+            if len(known) - common_prefix(self._synced(seq), known) > DEFER_MAX:
+                self._add_catch_up(late, seq, known, len(known))
+        if len(late):
+            self._decode(late)
 
     def draft(self, params: list[DraftParams]) -> None:
         batch = Batch()
         last_row: dict[int, int] = {}
         for p in params:
-            history = p.prompt + [p.id_last]
-            cached = self._synced(p.seq)
-            start = 0
-            while start < min(len(cached), p.pos0) and cached[start] == history[start]:
-                start += 1
-            todo = history[start : p.pos0 + 1]  # catch-up rows (usually just id_last)
-            if max(todo) >= self.ctx.config.n_vocab:
-                continue  # a token outside a smaller draft vocabulary: no draft for this sequence
-            self._trim(p.seq, start)
-            for pos, tok in enumerate(todo, start):
-                batch.add(tok, pos, p.seq, pos == p.pos0)
-            last_row[p.seq] = len(batch) - 1
+            known = self.target[p.seq]
+            if len(known) < p.pos0:  # the target's KV was filled without process(): the history says what it holds
+                known[:] = p.prompt
+            del known[p.pos0:]  # rows the target rejected
+            if self._add_catch_up(batch, p.seq, p.prompt + [p.id_last], p.pos0 + 1):  # usually just id_last
+                last_row[p.seq] = len(batch) - 1
         active = {p.seq: p for p in params if p.seq in last_row}
         logits = self._decode(batch) if len(batch) else None
         rows = {seq: sum(batch.logits[: last_row[seq] + 1]) - 1 for seq in active}
@@ -153,8 +147,37 @@ class DraftModelDrafter:
         self.ctx.seq_rm(seq, pos)
         del self.cached[seq][pos:]
 
+    def _add_catch_up(self, batch: Batch, seq: int, history: list[int], end: int) -> bool:
+        """Add the rows that bring seq's draft cache to history[:end] (trimming what differs), the last one flagged
+        and always decoded (its logits seed a draft). False, adding nothing, when a row is outside a smaller draft
+        vocabulary: the sequence gets no draft."""
+        start = min(common_prefix(self._synced(seq), history[:end]), end - 1)
+        if max(history[start:end]) >= self.ctx.config.n_vocab:
+            return False
+        self._trim(seq, start)
+        for pos in range(start, end):
+            batch.add(history[pos], pos, seq, pos == end - 1)
+        return True
+
     def _decode(self, batch: Batch) -> torch.Tensor:
-        out = self.ctx.decode(batch)
+        """Decode in n_batch slices (a catch-up may exceed it) -> logits of the flagged rows, batch order."""
+        logits = []
+        n = self.ctx.n_batch
+        for start in range(0, len(batch), n):
+            end = start + n
+            part = Batch(batch.tokens[start:end], batch.pos[start:end], batch.seq_ids[start:end], batch.logits[start:end])
+            logits.append(self.ctx.decode(part).logits)
         for tok, seq in zip(batch.tokens, batch.seq_ids):
             self.cached[seq].append(tok)
-        return out.logits
+        return torch.cat(logits)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case, compared at C speed
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
