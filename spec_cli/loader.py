@@ -83,6 +83,16 @@ def parse_dtype(name: str, device: torch.device) -> torch.dtype:
     return table[name]
 
 
+def cpu_bf16_is_fast() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX): then a bf16 product of hundreds of
+    rows runs ~4x faster than float32 (850 vs 188 GFLOPS measured on 2 cores); without them bf16 is emulated."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def layer_devices(n_layer: int, device: torch.device, n_gpu_layers: int) -> tuple[list[torch.device], torch.device]:
     """Per-block devices and the output layer's device. -1 = everything on `device`."""
     if device.type == "cpu" or n_gpu_layers < 0:

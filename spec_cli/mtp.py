@@ -108,27 +108,28 @@ class MTPHead(nn.Module):
         row i of the result is token draft_vocab[i]."""
         if self.draft_out is None:
             return self.logits(hidden)
-        return self._project(self.draft_out, self._output()[1], hidden)  # draft_out lives where its source does
+        return self._project(self.draft_out, *self._output()[1:], hidden)  # draft_out lives where its source does
 
     def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
         """Draft only among `ids` (the most frequent tokens): the output matrix is most of a head's cost per drafted
         token (151,936 rows for qwen2.5), and a draft outside the set is merely rejected. Needs an output layer whose
         rows can be selected (float or int8; an int4-packed output keeps the full vocabulary)."""
-        out, device = self._output()
+        out, device, _ = self._output()
         draft_out = None
         if ids is not None and hasattr(out, "select_rows"):
             draft_out = out.select_rows(ids.to(device, torch.long))
         object.__setattr__(self, "draft_out", draft_out)  # derived from shared weights: not the head's own
         self.draft_vocab = None if draft_out is None else ids.to(self.device, torch.long)
 
-    def _output(self) -> tuple[nn.Module, torch.device]:
-        """The output matrix the head projects with (its own, else the target's) and the device it is on."""
+    def _output(self) -> tuple[nn.Module, torch.device, torch.dtype]:
+        """The output matrix the head projects with (its own, else the target's), the device it is on and the
+        activation dtype it takes (they differ in training: a float32 head on a bf16 target)."""
         if self.head is not None:
-            return self.head, self.device
-        return self.target.output, self.target.output_device
+            return self.head, self.device, self.dtype
+        return self.target.output, self.target.output_device, self.target.dtype
 
-    def _project(self, out: nn.Module, device: torch.device, hidden: torch.Tensor) -> torch.Tensor:
-        return out(self.normed(hidden).to(device, self.dtype)).float()
+    def _project(self, out: nn.Module, device: torch.device, dtype: torch.dtype, hidden: torch.Tensor) -> torch.Tensor:
+        return out(self.normed(hidden).to(device, dtype)).float()
 
     def own_tensors(self) -> dict[str, torch.Tensor]:
         """GGUF suffix (after blk.{il}.) -> tensor, for every parameter the head owns."""

@@ -56,6 +56,10 @@ GEN_REQUESTS = (
     "Write a friendly message to a teammate describing this change and asking for feedback.",
     "Point out possible bugs in this and return a corrected version.",
     "Write a blog post paragraph about the ideas behind this.",
+    "Add type hints to this code. Return it complete, in one Python code block.",
+    "Add docstrings and short comments where they help, change nothing else, and return the whole code.",
+    "Make one small improvement to this code and return the complete result in a code block.",
+    "Write a short poem inspired by what this code does.",
 )
 
 
@@ -190,7 +194,7 @@ def generation_prompts(tokenizer: Tokenizer, snippets: torch.Tensor, length: int
 
 
 def greedy_continuations(loaded: LoadedModel, prompts: torch.Tensor, n_new: int, progress: ProgressFn | None = None,
-                         n_par: int = 16) -> torch.Tensor:
+                         n_par: int = 32) -> torch.Tensor:
     """prompts [N, P] -> [N, P + n_new]: the target's own greedy continuations, n_par sequences per decode."""
     out = []
     N, P = prompts.shape

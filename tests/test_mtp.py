@@ -272,8 +272,9 @@ def test_int8_head_and_output_draft_like_the_float_head(mtp_path, plain_outputs)
 # --- distillation -------------------------------------------------------------------------------------------
 
 
-def test_training_lowers_the_loss_and_round_trips(tiny_model_path, tmp_path):
-    target = load_model(tiny_model_path, device="cpu")
+@pytest.mark.parametrize("dtype", ["auto", "bf16"])  # bf16: a float32 head on a bf16 target (mtp-train's choice)
+def test_training_lowers_the_loss_and_round_trips(tiny_model_path, tmp_path, dtype):
+    target = load_model(tiny_model_path, device="cpu", dtype=dtype)
     cfg = TrainConfig(steps=30, lr=3e-3, seq_len=32, batch=8, data_tokens=32 * 24, gen_tokens=32 * 4,
                       eval_tokens=32 * 4, checkpoint_every=10, draft_vocab=100)
     losses = []
