@@ -65,12 +65,12 @@ GEN_REQUESTS = (
 
 @dataclass
 class TrainConfig:
-    steps: int = 300
+    steps: int = 1200
     lr: float = 5e-4
     seq_len: int = 256
     batch: int = 4
-    data_tokens: int = 65536  # training tokens run through the target (text + generations)
-    gen_tokens: int = 16384  # of which: the target's own greedy continuations (they matter most, README)
+    data_tokens: int = 196608  # training tokens run through the target (text + generations)
+    gen_tokens: int = 98304  # of which: windows holding the target's own chat answers (they matter most, README)
     eval_tokens: int = 2048  # held-out tokens for the acceptance estimate
     cos_weight: float = 1.0
     ridge: float = 1e-2  # relative L2 regularisation of the eh_proj least-squares init
