@@ -24,3 +24,8 @@ class Batch:
     def rows_of(self, seq_id: int) -> list[int]:
         """Row indices of one sequence, in batch order."""
         return [i for i, s in enumerate(self.seq_ids) if s == seq_id]
+
+    def split(self, n: int) -> list["Batch"]:
+        """Consecutive slices of at most n rows (a context decodes at most n_batch rows at a time)."""
+        return [Batch(self.tokens[i : i + n], self.pos[i : i + n], self.seq_ids[i : i + n], self.logits[i : i + n])
+                for i in range(0, len(self), n)]

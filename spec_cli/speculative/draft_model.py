@@ -161,12 +161,7 @@ class DraftModelDrafter:
 
     def _decode(self, batch: Batch) -> torch.Tensor:
         """Decode in n_batch slices (a catch-up may exceed it) -> logits of the flagged rows, batch order."""
-        logits = []
-        n = self.ctx.n_batch
-        for start in range(0, len(batch), n):
-            end = start + n
-            part = Batch(batch.tokens[start:end], batch.pos[start:end], batch.seq_ids[start:end], batch.logits[start:end])
-            logits.append(self.ctx.decode(part).logits)
+        logits = [self.ctx.decode(part).logits for part in batch.split(self.ctx.n_batch)]
         for tok, seq in zip(batch.tokens, batch.seq_ids):
             self.cached[seq].append(tok)
         return torch.cat(logits)

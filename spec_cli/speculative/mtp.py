@@ -141,12 +141,5 @@ class MTPDrafter:
 
     def _decode(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Head decode in n_batch slices -> (logits of flagged rows [n_flagged, V], hidden of all rows [n, D])."""
-        logits, hidden = [], []
-        n = self.ctx.n_batch
-        for start in range(0, len(batch), n):
-            part = Batch(batch.tokens[start:start + n], batch.pos[start:start + n], batch.seq_ids[start:start + n],
-                         batch.logits[start:start + n])
-            out = self.ctx.decode(part, hidden=True)
-            logits.append(out.logits)
-            hidden.append(out.hidden)
-        return torch.cat(logits), torch.cat(hidden)
+        outs = [self.ctx.decode(part, hidden=True) for part in batch.split(self.ctx.n_batch)]
+        return torch.cat([o.logits for o in outs]), torch.cat([o.hidden for o in outs])
