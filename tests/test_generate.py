@@ -100,6 +100,15 @@ def test_self_draft_accepts_everything(tiny_model_path, plain_outputs, defer_max
     assert engine.chain.stats["draft-simple"].acc_rate_per_pos[0] == 1.0
 
 
+def test_draft_catch_ups_longer_than_n_batch_are_split(tiny_model_path, plain_outputs):
+    """Prompt chunks of 8 rows: every draft-cache catch-up (prompt + deferred rows) spans several decodes."""
+    params = SpecParams(types=["draft-simple"], draft_max=6, draft_p_min=0.0)
+    engine = build_engine(EngineOptions(model=str(tiny_model_path), model_draft=str(tiny_model_path), n_ctx=256,
+                                        n_batch=8, n_ubatch=8, device="cpu", spec=params))
+    out, seq = run(engine, PROMPTS[0])
+    assert out == plain_outputs[0] and seq.n_accepted == seq.n_drafted > 0
+
+
 def test_an_idle_draft_model_catches_up_in_batches(tiny_model_path, plain_outputs, monkeypatch):
     """A draft model the chain does not ask (here per-request types; the adaptive planner does the same) decodes the
     target's tokens DEFER_MAX positions at a time, not once per step; asked again, it drafts from an exact cache."""
