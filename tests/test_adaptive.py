@@ -112,7 +112,9 @@ def test_cost_online_update_is_an_ema_and_shifts_unseen_rows():
 
 def test_draft_cost_is_seconds_per_produced_token():
     cost = DraftCost()
-    assert cost.per_token == 0.0  # unknown: optimistic until the first call
+    assert cost.per_token == 0.0  # unknown: optimistic until the first priced call
+    cost.observe(5.0, 1)  # the first call pays one-time costs: not priced
+    assert cost.per_token == 0.0
     cost.observe(0.4, 4)
     assert cost.per_token == pytest.approx(0.1)
     for _ in range(200):
@@ -190,6 +192,8 @@ def test_plan_respects_every_draft_length():
 def test_draft_cost_caps_drafting_but_a_paid_draft_is_verified():
     # E(k) / (1 + 0.5 k) with a = 0.9 peaks at k = 3 (1.376) before k = 4 (1.365)
     planner = planner_with(flat(), {"x": 0.9})
+    planner.observe_drafting("x", 9.0, 1)  # the first call (one-time costs) is not priced
+    assert planner.drafting_caps(["x"], 1) == {"x": AUTO_DRAFT_MAX}
     planner.observe_drafting("x", 0.5, 1)
     assert planner.drafting_caps(["x"], 1) == {"x": 3}
     assert planner.plan([("x", 8)], 4.0) == [8]  # drafting is spent: verifying all 8 costs nothing more
@@ -347,6 +351,28 @@ def test_a_cut_never_leaves_a_model_draft_shorter_than_draft_min(tiny_model_path
     assert any(0 < n < 3 for _, n in cuts)  # the planner asked for drafts below the minimum ...
     per_pos = engine.chain.stats["draft-simple"].n_gen_tokens_per_pos
     assert per_pos[0] > 0 and per_pos[0] == per_pos[2]  # ... but every verified draft had at least 3 tokens
+
+
+def test_catching_up_a_lagging_cache_is_not_priced_as_drafting():
+    """A draft model idle for a while catches its cache up before drafting again; the planner's price of a drafted
+    token must not include that, or a probe after idling looks dear and the drafter stays idle for good."""
+    from spec_cli.speculative.base import DraftParams
+
+    class Lagging:
+        name = "draft-simple"
+
+        def catch_up(self, params):
+            time.sleep(0.05)
+
+        def draft(self, params):
+            for p in params:
+                p.result.append(7)
+
+    chain = Chain([Lagging()], n_seq=1)
+    p = DraftParams(seq=0, n_max=4, pos0=3, id_last=1, prompt=[1, 2, 3])
+    spent = chain.draft([p])
+    assert p.result == [7] and spent["draft-simple"] < 0.05
+    assert chain.stats["draft-simple"].t_draft_us >= 0.05e6  # still the drafter's time in the statistics
 
 
 def test_per_request_n_max_still_caps_auto(tiny_model_path, plain_outputs, tiled_costs):

@@ -71,7 +71,8 @@ class Chain:
         `enabled` optionally restricts, per sequence, which drafter names may draft (per-request types); `caps`
         optionally limits, per drafter name, the tokens it may draft this step (0: it is not asked), so a drafter
         does not produce (and pay for) tokens the adaptive planner would not verify. Returns the seconds spent in
-        each drafter that was asked."""
+        each drafter that was asked, drafting: a drafter's optional `catch_up(params)` (bringing a lagging cache up
+        to date) runs first and is left out."""
         for p in params:
             self.last[p.seq] = None
         spent: dict[str, float] = {}
@@ -81,14 +82,19 @@ class Chain:
             if not asking or cap == 0:
                 continue
             with _capped(asking, cap):
+                t_catch_up = time.perf_counter()
+                catch_up = getattr(d, "catch_up", None)
+                if catch_up is not None:  # a lagging cache is the drafter's time, but not the price of its tokens
+                    catch_up(asking)
                 t0 = time.perf_counter()
                 d.draft(asking)
-                spent[d.name] = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                spent[d.name] = t1 - t0
                 for p in asking:
                     self._settle(d, p)
             st = self.stats[d.name]
             st.n_call_draft += 1
-            st.t_draft_us += spent[d.name] * 1e6
+            st.t_draft_us += (t1 - t_catch_up) * 1e6
         return spent
 
     def _settle(self, d: Drafter, p: DraftParams) -> None:

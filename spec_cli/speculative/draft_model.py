@@ -78,6 +78,17 @@ class DraftModelDrafter:
         if len(late):
             self._decode(late)
 
+    def catch_up(self, params: list[DraftParams]) -> None:
+        """Called by the chain before `draft`, outside the drafting time the adaptive planner prices (a drafted token
+        should not look dear because the cache fell behind while this drafter was idle): decode the committed rows
+        the draft cache lacks, when more than one (one, or none, goes with the seed row in `draft`)."""
+        batch = Batch()
+        for p in params:
+            if p.pos0 > 1:
+                self._add_catch_up(batch, p.seq, p.prompt, p.pos0, min_rows=2)
+        if len(batch):
+            self._decode(batch)
+
     def draft(self, params: list[DraftParams]) -> None:
         batch = Batch()
         last_row: dict[int, int] = {}
@@ -147,12 +158,12 @@ class DraftModelDrafter:
         self.ctx.seq_rm(seq, pos)
         del self.cached[seq][pos:]
 
-    def _add_catch_up(self, batch: Batch, seq: int, history: list[int], end: int) -> bool:
+    def _add_catch_up(self, batch: Batch, seq: int, history: list[int], end: int, min_rows: int = 1) -> bool:
         """Add the rows that bring seq's draft cache to history[:end] (trimming what differs), the last one flagged
-        and always decoded (its logits seed a draft). False, adding nothing, when a row is outside a smaller draft
-        vocabulary: the sequence gets no draft."""
+        and always decoded (its logits seed a draft). False, adding nothing, when fewer than min_rows are needed or
+        a row is outside a smaller draft vocabulary (then the sequence gets no draft)."""
         start = min(common_prefix(self._synced(seq), history[:end]), end - 1)
-        if max(history[start:end]) >= self.ctx.config.n_vocab:
+        if end - start < min_rows or max(history[start:end]) >= self.ctx.config.n_vocab:
             return False
         self._trim(seq, start)
         for pos in range(start, end):
