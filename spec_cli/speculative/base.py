@@ -8,6 +8,8 @@ Lifecycle per sequence, as in llama.cpp's common/speculative.h:
                             is_other=True when another drafter of the chain produced this step's draft
   shorten(seq, n)           optional: the chain verifies only the first n tokens of this drafter's draft
                             (--draft-max auto); for drafters whose accept bookkeeping depends on the draft length
+  catch_up(params)          optional: called just before draft(params) and timed apart from it, for a drafter that
+                            brings a lagging cache up to date (the adaptive planner prices drafted tokens by draft())
 Drafters keep no statistics: the chain wraps every call with counters and timers.
 """
 

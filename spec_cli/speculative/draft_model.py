@@ -74,18 +74,17 @@ class DraftModelDrafter:
             del known[p0:]
             known.extend(batch.tokens[i] for i in rows)
             if len(known) - common_prefix(self._synced(seq), known) > DEFER_MAX:
-                self._add_catch_up(late, seq, known, len(known))
+                self._add_catch_up(late, seq, known, len(known), seed=False)
         if len(late):
             self._decode(late)
 
     def catch_up(self, params: list[DraftParams]) -> None:
         """Called by the chain before `draft`, outside the drafting time the adaptive planner prices (a drafted token
         should not look dear because the cache fell behind while this drafter was idle): decode the committed rows
-        the draft cache lacks, when more than one (one, or none, goes with the seed row in `draft`)."""
+        the draft cache lacks but the last, which goes with the seed row in `draft`."""
         batch = Batch()
         for p in params:
-            if p.pos0 > 1:
-                self._add_catch_up(batch, p.seq, p.prompt, p.pos0, min_rows=2)
+            self._add_catch_up(batch, p.seq, p.prompt, p.pos0 - 1, seed=False)
         if len(batch):
             self._decode(batch)
 
@@ -97,7 +96,7 @@ class DraftModelDrafter:
             if len(known) < p.pos0:  # the target's KV was filled without process(): the history says what it holds
                 known[:] = p.prompt
             del known[p.pos0:]  # rows the target rejected
-            if self._add_catch_up(batch, p.seq, p.prompt + [p.id_last], p.pos0 + 1):  # usually just id_last
+            if self._add_catch_up(batch, p.seq, p.prompt + [p.id_last], p.pos0 + 1, seed=True):  # usually id_last
                 last_row[p.seq] = len(batch) - 1
         active = {p.seq: p for p in params if p.seq in last_row}
         logits = self._decode(batch) if len(batch) else None
@@ -158,16 +157,18 @@ class DraftModelDrafter:
         self.ctx.seq_rm(seq, pos)
         del self.cached[seq][pos:]
 
-    def _add_catch_up(self, batch: Batch, seq: int, history: list[int], end: int, min_rows: int = 1) -> bool:
-        """Add the rows that bring seq's draft cache to history[:end] (trimming what differs), the last one flagged
-        and always decoded (its logits seed a draft). False, adding nothing, when fewer than min_rows are needed or
-        a row is outside a smaller draft vocabulary (then the sequence gets no draft)."""
-        start = min(common_prefix(self._synced(seq), history[:end]), end - 1)
-        if end - start < min_rows or max(history[start:end]) >= self.ctx.config.n_vocab:
+    def _add_catch_up(self, batch: Batch, seq: int, history: list[int], end: int, seed: bool) -> bool:
+        """Add the rows that bring seq's draft cache to history[:end] (trimming what differs). With `seed` the last
+        row is decoded even when cached, and flagged: its logits seed a draft. False, adding nothing, when a row is
+        outside a smaller draft vocabulary (then the sequence gets no draft)."""
+        start = common_prefix(self._synced(seq), history[:end])
+        if seed:
+            start = min(start, end - 1)
+        if start >= end or max(history[start:end]) >= self.ctx.config.n_vocab:
             return False
         self._trim(seq, start)
         for pos in range(start, end):
-            batch.add(history[pos], pos, seq, pos == end - 1)
+            batch.add(history[pos], pos, seq, seed and pos == end - 1)
         return True
 
     def _decode(self, batch: Batch) -> torch.Tensor:
