@@ -7,7 +7,9 @@ goes with them when N > n_layer).
 
 from __future__ import annotations
 
+import functools
 import re
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +21,8 @@ from spec_cli.config import ModelConfig
 from spec_cli.errors import SpecCliError, UsageError
 from spec_cli.gguf_file import GGUFFile
 from spec_cli.model import Linear, Transformer
-from spec_cli.qlinear import Int4Linear, Int8Linear, fuse_projections, quantized_linear, supports
+from spec_cli import kernels
+from spec_cli.qlinear import QLinear, fuse_projections, quantized_linear, supports
 from spec_cli.quants import load_tensor
 
 # GGUF block tensor suffix -> attribute path inside model.Block
@@ -137,6 +140,12 @@ def load_model(
     cfg = ModelConfig.from_gguf(gf)
     main_device = parse_device(device)
     quantize = dtype == "q" or (dtype == "auto" and main_device.type == "cpu")  # kept quantized (qlinear.py)
+    if quantize and not kernels.available():
+        if dtype == "q":
+            raise SpecCliError(f"--dtype q needs spec-cli's compiled kernels: {kernels.why_unavailable()}")
+        _warn_once(f"spec-cli: {kernels.why_unavailable()}; computing with float32 weights (slower, and batch "
+                   "composition can change greedy output)")
+        quantize = False
     torch_dtype = parse_dtype("auto" if quantize else dtype, main_device)
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -177,9 +186,14 @@ def load_model(
     if quantize:
         fuse_projections(model)
     model.eval()
-    kept_quantized = any(isinstance(m, (Int4Linear, Int8Linear)) for m in model.modules())
+    kept_quantized = any(m.quantized for m in model.modules() if isinstance(m, QLinear))
     weights = "q" if kept_quantized else _DTYPE_NAMES[torch_dtype]
     return LoadedModel(model, cfg, gf, (time.perf_counter() - t0) * 1000, weights)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 def _set_output(model: Transformer, gf: GGUFFile, name: str, quantize: bool, fetch) -> None:

@@ -7,12 +7,14 @@ Rows arrive grouped per sequence and padded: x is [G, T, D] for G sequences of a
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spec_cli import kernels
 from spec_cli.config import ModelConfig
 
 
@@ -33,6 +35,20 @@ class ForwardPlan:
         move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
         return ForwardPlan(*(move(getattr(self, f)) for f in self.__dataclass_fields__))
 
+    @functools.cached_property
+    def row_seq(self) -> torch.Tensor:
+        """[G * T] int64: the cache sequence of every (padded) row, for the attention kernel."""
+        G, T = self.positions.shape
+        seqs = self.kv_seqs
+        if isinstance(seqs, slice):
+            seqs = torch.arange(seqs.start, seqs.stop, device=self.positions.device)
+        return seqs.repeat_interleave(T)
+
+    @functools.cached_property
+    def row_pos(self) -> torch.Tensor:
+        """[G * T] int64: the position of every (padded) row."""
+        return self.positions.reshape(-1).contiguous()
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -41,6 +57,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.usable(x):
+            return kernels.rms_norm(x, self.weight, self.eps)
         if x.dtype == self.weight.dtype:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)  # bf16/f16 activations
@@ -65,10 +83,21 @@ class Linear(nn.Module):
         return sub
 
 
+_ROPE_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (dim, base, scale) -> cos, sin [n, dim / 2]
+
+
 def rope_tables(positions: torch.Tensor, dim: int, base: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     # positions [G, T] -> cos, sin [G, 1, T, dim/2] (broadcast over heads)
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
-    angles = (positions.to(torch.float32) / scale)[..., None] * inv_freq
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float64) / dim))
+    if positions.device.type == "cpu":
+        # rows of one table per setting (angles in float64), so a position's values never depend on its batch
+        need = int(positions.max()) + 1
+        table = _ROPE_TABLES.get((dim, base, scale))
+        if table is None or table[0].shape[0] < need:
+            angles = (torch.arange(1 << max(need - 1, 1023).bit_length(), dtype=torch.float64) / scale)[:, None] * inv_freq
+            table = _ROPE_TABLES[(dim, base, scale)] = (angles.cos().float(), angles.sin().float())
+        return table[0][positions].unsqueeze(1), table[1][positions].unsqueeze(1)
+    angles = (positions.to(torch.float32) / scale)[..., None] * inv_freq.float()
     return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
 
 
@@ -102,25 +131,33 @@ class Attention(nn.Module):
         # x [G, T, D]; k_cache/v_cache [n_seq, kv_heads, n_ctx_seq, head_dim]
         cfg = self.cfg
         G, T, _ = x.shape
-        q, k, v = self.qkv(x) if self.qkv is not None else (self.wq(x), self.wk(x), self.wv(x))
+        if self.qkv is not None:
+            q, k, v = self.qkv(x).split(self.qkv.sizes, dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
         q = q.view(G, T, cfg.n_head, cfg.head_dim)
         k = k.view(G, T, cfg.n_head_kv, cfg.head_dim)
         v = v.view(G, T, cfg.n_head_kv, cfg.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
-        q = apply_rope(q.transpose(1, 2), cos, sin, cfg.rope_type, cfg.rope_dim)  # [G, H, T, hd]
-        k = apply_rope(k.transpose(1, 2), cos, sin, cfg.rope_type, cfg.rope_dim)  # [G, Hkv, T, hd]
+        cos, sin = (t.transpose(1, 2) for t in rope)  # [G, T, 1, rope_dim / 2]
+        q = apply_rope(q, cos, sin, cfg.rope_type, cfg.rope_dim)  # [G, T, H, hd]
+        k = apply_rope(k, cos, sin, cfg.rope_type, cfg.rope_dim)  # [G, T, Hkv, hd]
         # write the real rows into the static cache by (sequence, position); padded rows are never written
-        k_rows = k.transpose(1, 2).reshape(G * T, cfg.n_head_kv, cfg.head_dim)[plan.write_rows]
+        k_rows = k.reshape(G * T, cfg.n_head_kv, cfg.head_dim)[plan.write_rows]
         v_rows = v.reshape(G * T, cfg.n_head_kv, cfg.head_dim)[plan.write_rows]
         k_cache[plan.write_seq, :, plan.write_pos] = k_rows.to(k_cache.dtype)
         v_cache[plan.write_seq, :, plan.write_pos] = v_rows.to(v_cache.dtype)
+        if kernels.usable(q) and k_cache.dtype == torch.float32:
+            window = cfg.sliding_window if self.swa else 0
+            out = kernels.attention(q.view(G * T, cfg.n_head, cfg.head_dim), k_cache, v_cache, plan.row_seq,
+                                    plan.row_pos, window or 0, cfg.attn_scale)  # [G * T, H * hd]
+            return self.wo(out.view(G, T, -1))
         keys = k_cache[plan.kv_seqs, :, : plan.n_kv]  # [G, Hkv, n_kv, hd]
         values = v_cache[plan.kv_seqs, :, : plan.n_kv]
         mask = plan.mask_swa if self.swa else plan.mask_full
         out = F.scaled_dot_product_attention(
-            q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=cfg.attn_scale,
+            q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=cfg.attn_scale,
             enable_gqa=cfg.n_head != cfg.n_head_kv,
         )  # [G, H, T, hd]
         return self.wo(out.transpose(1, 2).reshape(G, T, cfg.n_head * cfg.head_dim))
@@ -132,11 +169,20 @@ class FeedForward(nn.Module):
         self.w_gate = Linear(cfg.n_embd, cfg.n_ff)
         self.w_up = Linear(cfg.n_embd, cfg.n_ff)
         self.w_down = Linear(cfg.n_ff, cfg.n_embd)
-        self.act = F.silu if cfg.ffn_act == "silu" else lambda t: F.gelu(t, approximate="tanh")
+        self.gelu = cfg.ffn_act != "silu"  # GELU with the tanh approximation (gemma), else SiLU
+        self.act = (lambda t: F.gelu(t, approximate="tanh")) if self.gelu else F.silu
         self.gate_up: nn.Module | None = None  # x -> (gate, up) in one product, set by qlinear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x) if self.gate_up is not None else (self.w_gate(x), self.w_up(x))
+        if self.gate_up is not None:
+            gate_up = self.gate_up(x)  # [*, 2 n_ff], gate first
+            if kernels.usable(gate_up):
+                n_ff = self.gate_up.sizes[0]
+                h = kernels.glu(gate_up.view(-1, 2 * n_ff), n_ff, self.gelu).view(*x.shape[:-1], n_ff)
+                return self.w_down(h)
+            gate, up = gate_up.split(self.gate_up.sizes, dim=-1)
+        else:
+            gate, up = self.w_gate(x), self.w_up(x)
         return self.w_down(self.act(gate) * up)
 
 

@@ -42,7 +42,7 @@ from spec_cli.model import (
     Transformer,
     rope_tables,
 )
-from spec_cli.qlinear import Int8Linear, fuse_block_projections
+from spec_cli.qlinear import QLinear, fuse_block_projections
 from spec_cli.quants import load_tensor
 
 # GGUF suffix (after "blk.{il}.") -> attribute path inside MTPHead
@@ -113,7 +113,7 @@ class MTPHead(nn.Module):
     def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
         """Draft only among `ids` (the most frequent tokens): the output matrix is most of a head's cost per drafted
         token (151,936 rows for qwen2.5), and a draft outside the set is merely rejected. Needs an output layer whose
-        rows can be selected (float or int8; an int4-packed output keeps the full vocabulary)."""
+        rows can be selected (float weights or GGUF blocks)."""
         out, device, _ = self._output()
         draft_out = None
         if ids is not None and hasattr(out, "select_rows"):
@@ -187,7 +187,7 @@ def _quantize(head: MTPHead) -> None:
     for name, module in list(head.named_modules()):
         if isinstance(module, Linear):
             parent, _, leaf = name.rpartition(".")
-            setattr(head.get_submodule(parent), leaf, Int8Linear.from_float(module.weight, module.bias))
+            setattr(head.get_submodule(parent), leaf, QLinear.from_float(module.weight, module.bias))
     fuse_block_projections(head.block)
 
 

@@ -1,0 +1,165 @@
+"""The compiled CPU kernels (kernels.cpp, built by `pip install` into `_kernels*.so`), called through ctypes.
+
+What runs here on the CPU with float32 activations: every product with GGUF weights (kept as their blocks, never
+re-quantized), attention over the KV cache, RMS norm and the gated FFN activation. Each computes a row's result the
+same way whatever else is in the batch, so logits are bit-identical between one-row decodes, verify batches, server
+slots and prompt-cache states (tests/test_batch_invariance.py). The kernels use their own thread pool, as many threads
+as torch's intra-op setting (`-t`), and sleep after a short spin when idle.
+
+Where the library was not built (no C++ compiler at install time), `available()` is False, `why_unavailable()`
+says why, and the loader falls back to dequantized float32 weights with a warning.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import os
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType
+
+T = GGMLQuantizationType
+# weight types the kernels multiply as they are; others are dequantized to F32 rows first
+NATIVE_TYPES = frozenset({T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
+ACT_Q8_0, ACT_Q8_1, ACT_Q8_K = 0, 1, 2  # activation formats of sc_quantize_row (kernels.cpp)
+SPIN_NS = int(os.environ.get("SPEC_CLI_SPIN_US", "100")) * 1000  # how long an idle worker spins before sleeping
+
+_i64, _f32p, _vp = ctypes.c_int64, ctypes.POINTER(ctypes.c_float), ctypes.c_void_p
+
+
+def _find_library() -> tuple[ctypes.CDLL | None, str]:
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"_kernels{suffix}"
+        if path.exists():
+            try:
+                return ctypes.CDLL(str(path)), ""
+            except OSError as e:
+                return None, f"{path.name} did not load: {e}"
+    return None, "the C++ kernels were not built (reinstall with a C++ compiler: pip install -e .)"
+
+
+_lib, _why = _find_library()
+if _lib is not None:
+    _lib.sc_init.argtypes = [ctypes.c_int, ctypes.c_int, _i64]
+    _lib.sc_has_avx2.restype = ctypes.c_int
+    _lib.sc_row_bytes.argtypes = [ctypes.c_int, _i64]
+    _lib.sc_row_bytes.restype = _i64
+    _lib.sc_linear.argtypes = [ctypes.c_int, _vp, _vp, _vp, _i64, _vp, _i64, _vp, _i64, _vp]
+    _lib.sc_linear.restype = ctypes.c_int
+    _lib.sc_rms_norm.argtypes = [_vp, _vp, _vp, _i64, _i64, ctypes.c_float]
+    _lib.sc_attention.argtypes = [_vp, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int, ctypes.c_int, _vp, _vp, _i64,
+                                  _vp, _vp, _i64, ctypes.c_float, _vp]
+    _lib.sc_glu.argtypes = [_vp, _i64, _i64, _i64, ctypes.c_int, _vp]
+    _lib.sc_quantize_row.argtypes = [ctypes.c_int, _vp, _i64, _vp, _vp, _vp, _vp]
+
+_state = {"threads": 0, "avx2": True}
+
+
+def available() -> bool:
+    return _lib is not None
+
+
+def why_unavailable() -> str:
+    return _why
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the kernels compute on this activation tensor: float32 on the CPU, no gradient wanted (they have no
+    backward; training the MTP head goes through torch)."""
+    return (_lib is not None and x.device.type == "cpu" and x.dtype == torch.float32
+            and not (x.requires_grad and torch.is_grad_enabled()))
+
+
+def use_avx2(enabled: bool) -> None:
+    """Choose the AVX2 kernels (default, where the CPU has them) or the portable scalar ones (tests compare both)."""
+    _state["avx2"] = enabled
+    _state["threads"] = 0  # re-init on the next call
+
+
+def has_avx2() -> bool:
+    return _lib is not None and bool(_lib.sc_has_avx2())
+
+
+def _sync_threads() -> None:
+    n = torch.get_num_threads()
+    if n != _state["threads"]:
+        _lib.sc_init(n, int(_state["avx2"]), SPIN_NS)
+        _state["threads"] = n
+
+
+def row_bytes(qtype: GGMLQuantizationType, n_in: int) -> int:
+    return int(_lib.sc_row_bytes(int(qtype), n_in))
+
+
+class LinearArgs:
+    """The ctypes arguments of one sc_linear call over weight segments [(qtype, raw [n_out, row_bytes] uint8)]."""
+
+    def __init__(self, segments: list[tuple[GGMLQuantizationType, torch.Tensor]]):
+        n = len(segments)
+        self.n = n
+        self.types = (ctypes.c_int * n)(*(int(t) for t, _ in segments))
+        self.ptrs = (ctypes.c_void_p * n)(*(raw.data_ptr() for _, raw in segments))
+        self.n_out = (ctypes.c_int64 * n)(*(raw.shape[0] for _, raw in segments))
+
+
+def linear(args: LinearArgs, x: torch.Tensor, n_out: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] float32 contiguous -> [M, n_out] float32."""
+    _sync_threads()
+    M, K = x.shape
+    y = torch.empty(M, n_out, dtype=torch.float32)
+    rc = _lib.sc_linear(args.n, ctypes.addressof(args.types), ctypes.addressof(args.ptrs),
+                        ctypes.addressof(args.n_out), K, x.data_ptr(), M, y.data_ptr(), n_out,
+                        bias.data_ptr() if bias is not None else None)
+    if rc:
+        raise RuntimeError(f"sc_linear failed ({rc}): unsupported weight type or shape")
+    return y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """[..., D] -> [..., D]: x / sqrt(mean(x^2) + eps) * weight, row by row (the sum of squares in double)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    D = x.shape[-1]
+    _lib.sc_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // D, D, eps)
+    return out
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row_seq: torch.Tensor,
+              row_pos: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    """q [R, H, hd] (each head's vector contiguous), caches [n_seq, H_kv, n_ctx, hd], row_seq/row_pos [R] int64 ->
+    [R, H * hd]: row r attends to its sequence's keys [0, pos] (the last `window` of them when window > 0)."""
+    _sync_threads()
+    R, H, hd = q.shape
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    out = torch.empty(R, H * hd, dtype=torch.float32)
+    _lib.sc_attention(q.data_ptr(), q.stride(0), q.stride(1), R, H, k_cache.shape[1], hd, k_cache.data_ptr(),
+                      v_cache.data_ptr(), k_cache.shape[2], row_seq.data_ptr(), row_pos.data_ptr(), window, scale,
+                      out.data_ptr())
+    return out
+
+
+def glu(gate_up: torch.Tensor, n_ff: int, gelu: bool) -> torch.Tensor:
+    """gate_up [M, 2 F] (gate columns first) -> act(gate) * up [M, F]; act = SiLU, or tanh-approximated GELU."""
+    _sync_threads()
+    M = gate_up.shape[0]
+    out = torch.empty(M, n_ff, dtype=torch.float32)
+    _lib.sc_glu(gate_up.data_ptr(), gate_up.stride(0), M, n_ff, int(gelu), out.data_ptr())
+    return out
+
+
+def quantize_row(kind: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One float32 row [K] as the kernels quantize activations: codes [K] int8, scales, code sums (int16; per 256-value
+    block of Q8_K the 16 sums of 16 codes then the 8 sums of 32, else the sum of each 32) and, for Q8_1,
+    fp16(d * sum). For tests."""
+    K = x.numel()
+    block = 256 if kind == ACT_Q8_K else 32
+    q = torch.empty(K, dtype=torch.int8)
+    d = torch.empty(K // block)
+    isum = torch.empty(K // 256 * 24 if kind == ACT_Q8_K else K // 32, dtype=torch.int16)
+    s = torch.empty(K // 32)
+    _lib.sc_quantize_row(kind, x.contiguous().data_ptr(), K, q.data_ptr(), d.data_ptr(), isum.data_ptr(), s.data_ptr())
+    return q, d, isum, s

@@ -1,0 +1,899 @@
+// spec-cli's CPU kernels: GGUF weight blocks times 8-bit activation blocks, attention over the static KV cache,
+// RMS norm. Loaded with ctypes by spec_cli/kernels/__init__.py (plain C entry points, no Python or torch headers).
+//
+// Batch invariance by construction: every output element is computed by the same sequence of operations whatever
+// the number of rows in the call, the rows beside it, the thread count or which thread computes it. Rows are
+// quantized one at a time; a weight row is multiplied with 1 to 4 activation rows at a time by one template whose
+// per-row arithmetic does not depend on how many rows share the weight loads; threads take whole output columns.
+// No -ffast-math and no FMA contraction (setup.py), so the compiler cannot reassociate any of it.
+//
+// Numerics follow ggml's CPU backend (activations quantized per block as quantize_row_q8_0/q8_1/q8_K do; integer
+// block dot products; float scales applied per block), so logits stay close to llama.cpp's on the same GGUF.
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+#include <sched.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define SC_X86 1
+#define SC_AVX2 __attribute__((target("avx2,fma,f16c")))
+#else
+#define SC_X86 0
+#endif
+
+namespace {
+
+// ------------------------------------------------------------------------------------------------ half floats
+
+float f16_table[65536];
+
+float half_to_float_exact(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else {  // subnormal: normalize
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400)) { mant <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000 | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+struct TableInit {
+    TableInit() { for (uint32_t i = 0; i < 65536; i++) f16_table[i] = half_to_float_exact((uint16_t)i); }
+} table_init;
+
+inline float h2f(const uint8_t* p) { uint16_t h; std::memcpy(&h, p, 2); return f16_table[h]; }
+
+// float -> half, round to nearest even (what F16C's vcvtps2ph and ggml's GGML_FP32_TO_FP16 give)
+uint16_t float_to_half(float f) {
+    uint32_t x;
+    std::memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000;
+    x &= 0x7FFFFFFF;
+    if (x >= 0x7F800000) return (uint16_t)(sign | 0x7C00 | (x > 0x7F800000 ? 0x200 : 0));
+    if (x >= 0x477FF000) return (uint16_t)(sign | 0x7C00);  // rounds to >= 65520: infinity
+    if (x < 0x38800000) {  // subnormal half (or zero)
+        if (x < 0x33000000) return (uint16_t)sign;
+        const uint32_t e = x >> 23, m = (x & 0x7FFFFF) | 0x800000;
+        const uint32_t shift = 126 - e;  // 14 + (113 - e)
+        uint32_t r = m >> shift;
+        const uint32_t rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (r & 1))) r++;
+        return (uint16_t)(sign | r);
+    }
+    uint32_t r = ((x >> 13) - ((127 - 15) << 10));
+    const uint32_t rem = x & 0x1FFF;
+    if (rem > 0x1000 || (rem == 0x1000 && (r & 1))) r++;
+    return (uint16_t)(sign | r);
+}
+
+inline float round_half(float f) { return f16_table[float_to_half(f)]; }
+
+// round half to even, as _mm256_round_ps(_MM_ROUND_NEAREST) and ggml's nearest_int
+inline int nearest(float f) { return (int)std::nearbyint(f); }
+
+// ------------------------------------------------------------------------------------------------ thread pool
+
+// Workers wait for a new task by spinning for a short while (SPIN_NS) and then sleeping on a condition variable,
+// so an idle pool costs nothing and a busy machine is not fought with. Work is handed out in chunks from one atomic
+// counter tagged with the task's epoch: a worker that was descheduled does not hold up the others, and a late one
+// can never run a chunk of the wrong task.
+class Pool {
+public:
+    ~Pool() {
+        {
+            std::lock_guard<std::mutex> lk(mu_);
+            stop_ = true;
+        }
+        cv_.notify_all();
+        for (auto& t : workers_) t.join();
+    }
+
+    // fn(chunk) for chunk in [0, n_chunks), on up to nth threads (the caller is one of them)
+    void run(int nth, int64_t n_chunks, const std::function<void(int64_t)>& fn) {
+        if (nth <= 1 || n_chunks <= 1) {
+            for (int64_t c = 0; c < n_chunks; c++) fn(c);
+            return;
+        }
+        std::lock_guard<std::mutex> run_lock(run_mu_);  // one task at a time (ctypes calls release the GIL)
+        ensure_workers(nth - 1);
+        // close the counter while the task slot changes: a worker only runs a chunk it claimed from an open counter
+        const uint64_t epoch = (counter_.load() >> 32) + 1;
+        counter_.store(epoch << 32 | CLOSED);
+        fn_.store(&fn);
+        n_chunks_.store(n_chunks);
+        active_.store(nth - 1);
+        counter_.store(epoch << 32);
+        if (sleepers_.load() > 0) {
+            { std::lock_guard<std::mutex> lk(mu_); }
+            cv_.notify_all();
+        }
+        work();
+        for (int spins = 0; in_flight_.load() != 0; spins++) pause(spins);
+    }
+
+    void set_spin_ns(int64_t ns) { spin_ns_ = ns; }
+
+private:
+    static constexpr uint64_t CLOSED = 0xFFFFFFFFu;
+
+    static void pause(int spins) {
+#if SC_X86
+        if (spins < 4096) { _mm_pause(); return; }
+#endif
+        sched_yield();
+    }
+
+    // claim and run chunks while the counter is open; all seq_cst, so a claim that succeeds saw the slot of its task
+    void work() {
+        for (;;) {
+            uint64_t v = counter_.load();
+            const uint64_t c = v & 0xFFFFFFFFu;
+            if (c == CLOSED) return;
+            const int64_t n = n_chunks_.load();
+            const std::function<void(int64_t)>* fn = fn_.load();
+            if ((int64_t)c >= n) return;
+            if (counter_.compare_exchange_weak(v, v + 1)) (*fn)((int64_t)c);
+        }
+    }
+
+    void ensure_workers(int n) {
+        while ((int)workers_.size() < n) {
+            const int index = (int)workers_.size();
+            workers_.emplace_back([this, index] { loop(index); });
+        }
+    }
+
+    void loop(int index) {
+        uint64_t seen = counter_.load() >> 32, epoch = seen;
+        // a task is ready when the counter is open under a new epoch
+        const auto ready = [&] {
+            const uint64_t v = counter_.load();
+            epoch = v >> 32;
+            return epoch != seen && (v & 0xFFFFFFFFu) != CLOSED;
+        };
+        for (;;) {
+            const auto t0 = std::chrono::steady_clock::now();
+            for (int spins = 0; !ready(); spins++) {
+#if SC_X86
+                _mm_pause();
+#endif
+                if ((spins & 255) != 255) continue;
+                const auto waited = std::chrono::steady_clock::now() - t0;
+                if (std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count() < spin_ns_) continue;
+                std::unique_lock<std::mutex> lk(mu_);
+                sleepers_.fetch_add(1);
+                cv_.wait(lk, [&] { return stop_ || ready(); });
+                sleepers_.fetch_sub(1);
+                if (stop_) return;
+            }
+            seen = epoch;
+            if (index >= active_.load()) continue;
+            in_flight_.fetch_add(1);  // before claiming: the caller waits for in_flight_ == 0 after the last chunk
+            work();
+            in_flight_.fetch_sub(1);
+        }
+    }
+
+    std::vector<std::thread> workers_;
+    std::atomic<uint64_t> counter_{0};  // epoch << 32 | next chunk
+    std::atomic<int64_t> n_chunks_{0};
+    std::atomic<const std::function<void(int64_t)>*> fn_{nullptr};
+    std::atomic<int> active_{0};
+    std::atomic<int> in_flight_{0};
+    std::atomic<int> sleepers_{0};
+    int64_t spin_ns_ = 100000;
+    bool stop_ = false;
+    std::mutex mu_, run_mu_;
+    std::condition_variable cv_;
+};
+
+Pool& pool() {
+    static Pool p;
+    return p;
+}
+
+int g_threads = 1;
+bool g_use_avx2 = false;
+
+// ------------------------------------------------------------------------------------------------ formats
+
+// GGML type ids (ggml.h)
+enum : int { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+// Activation formats. A row of K values quantized as:
+//   Q8_0: per 32 values an fp16-rounded scale d and int8 codes (ggml's block_q8_0); here also the codes' sum
+//   Q8_1: Q8_0 plus s = fp16(d * sum of codes) (block_q8_1)
+//   Q8_K: per 256 values a float d, int8 codes and the sums of each 16 codes (block_q8_K)
+// stored as separate arrays: codes [M, K] int8, d [M, K / block] float, isum int16 (for Q8_0/Q8_1 the sum of each
+// 32 codes [M, K / 32]; for Q8_K per block the sums of each 16 codes, then of each 32: [M, K / 256 * 24]),
+// Q8_0/Q8_1, per 16 for Q8_K), s [M, K / 32] float (Q8_1 only).
+enum Act { ACT_Q8_0 = 0, ACT_Q8_1 = 1, ACT_Q8_K = 2, ACT_F32 = 3 };
+
+int act_of(int wtype) {
+    switch (wtype) {
+        case Q4_0: case Q5_0: case Q8_0: return ACT_Q8_0;
+        case Q4_1: case Q5_1: return ACT_Q8_1;
+        case Q4_K: case Q5_K: case Q6_K: return ACT_Q8_K;
+        case F32: case F16: return ACT_F32;
+        default: return -1;
+    }
+}
+
+int block_size(int wtype) {
+    switch (wtype) {
+        case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: return 32;
+        case Q4_K: case Q5_K: case Q6_K: return 256;
+        default: return 1;
+    }
+}
+
+int64_t row_bytes(int wtype, int64_t K) {
+    switch (wtype) {
+        case F32: return K * 4;
+        case F16: return K * 2;
+        case Q4_0: return K / 32 * 18;
+        case Q4_1: return K / 32 * 20;
+        case Q5_0: return K / 32 * 22;
+        case Q5_1: return K / 32 * 24;
+        case Q8_0: return K / 32 * 34;
+        case Q4_K: return K / 256 * 144;
+        case Q5_K: return K / 256 * 176;
+        case Q6_K: return K / 256 * 210;
+        default: return -1;
+    }
+}
+
+struct ActRows {
+    int kind;
+    int64_t K;
+    const float* x;  // ACT_F32: the rows themselves [M, K]
+    const int8_t* q;  // [M, K]
+    const float* d;  // [M, K / block]
+    const int16_t* isum;  // [M, K / 256 * 24] (Q8_K) or [M, K / 32]
+    const float* s;  // [M, K / 32] (Q8_1)
+    int64_t nd() const { return K / (kind == ACT_Q8_K ? 256 : 32); }
+    int64_t ns() const { return kind == ACT_Q8_K ? K / 256 * 24 : K / 32; }
+};
+
+// one row, scalar: the semantics of ggml's quantize_row_q8_0 / _q8_1 (AVX2 versions) and quantize_row_q8_K_ref
+void quantize_row(int kind, const float* x, int64_t K, int8_t* q, float* d, int16_t* isum, float* s) {
+    if (kind == ACT_Q8_K) {
+        for (int64_t b = 0; b < K / 256; b++) {
+            const float* xb = x + b * 256;
+            int8_t* qb = q + b * 256;
+            float max = 0, amax = 0;
+            for (int j = 0; j < 256; j++) {
+                const float ax = std::fabs(xb[j]);
+                if (ax > amax) { amax = ax; max = xb[j]; }
+            }
+            if (amax == 0) {
+                d[b] = 0;
+                std::memset(qb, 0, 256);
+                for (int g = 0; g < 24; g++) isum[b * 24 + g] = 0;
+                continue;
+            }
+            const float iscale = -127.f / max;
+            for (int j = 0; j < 256; j++) qb[j] = (int8_t)std::min(127, nearest(iscale * xb[j]));
+            for (int g = 0; g < 16; g++) {
+                int sum = 0;
+                for (int j = 0; j < 16; j++) sum += qb[g * 16 + j];
+                isum[b * 24 + g] = (int16_t)sum;
+            }
+            for (int g = 0; g < 8; g++) isum[b * 24 + 16 + g] = (int16_t)(isum[b * 24 + 2 * g] + isum[b * 24 + 2 * g + 1]);
+            d[b] = 1 / iscale;
+        }
+        return;
+    }
+    for (int64_t b = 0; b < K / 32; b++) {
+        const float* xb = x + b * 32;
+        int8_t* qb = q + b * 32;
+        float amax = 0;
+        for (int j = 0; j < 32; j++) amax = std::max(amax, std::fabs(xb[j]));
+        const float db = amax / 127.f;
+        const float id = amax != 0.0f ? 127.f / amax : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < 32; j++) {
+            qb[j] = (int8_t)nearest(xb[j] * id);
+            sum += qb[j];
+        }
+        d[b] = round_half(db);
+        isum[b] = (int16_t)sum;
+        if (kind == ACT_Q8_1) s[b] = round_half(db * (float)sum);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------ scalar dots
+// out[r] = dot(weight row, activation row r) for R rows; exact integer sums per block, float per block.
+
+template <int R>
+void dot_scalar(int wtype, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
+    const int64_t K = a.K;
+    for (int r = 0; r < R; r++) {
+        const int64_t m = rows[r];
+        const int8_t* q = a.q + m * K;
+        float acc = 0, accm = 0;
+        if (wtype == Q4_0 || wtype == Q4_1 || wtype == Q5_0 || wtype == Q5_1 || wtype == Q8_0) {
+            const float* d = a.d + m * a.nd();
+            const int16_t* isum = a.isum + m * a.ns();
+            const int bs = (int)row_bytes(wtype, 32);
+            for (int64_t b = 0; b < K / 32; b++) {
+                const uint8_t* blk = w + b * bs;
+                const int8_t* qb = q + b * 32;
+                int sumi = 0, offset = 0;
+                float dw = h2f(blk), mw = 0;
+                if (wtype == Q8_0) {
+                    for (int j = 0; j < 32; j++) sumi += (int)(int8_t)blk[2 + j] * qb[j];
+                } else {
+                    const bool has_min = wtype == Q4_1 || wtype == Q5_1;
+                    const bool five = wtype == Q5_0 || wtype == Q5_1;
+                    const uint8_t* qs = blk + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
+                    uint32_t qh = 0;
+                    if (five) std::memcpy(&qh, blk + 2 + (has_min ? 2 : 0), 4);
+                    if (has_min) mw = h2f(blk + 2);
+                    for (int j = 0; j < 16; j++) {
+                        const int lo = (qs[j] & 0xF) | (five ? ((qh >> j) & 1) << 4 : 0);
+                        const int hi = (qs[j] >> 4) | (five ? ((qh >> (j + 16)) & 1) << 4 : 0);
+                        sumi += lo * qb[j] + hi * qb[j + 16];
+                    }
+                    if (!has_min) offset = (five ? 16 : 8) * isum[b];
+                }
+                acc += (dw * d[b]) * (float)(sumi - offset);
+                if (wtype == Q4_1 || wtype == Q5_1) accm += mw * a.s[m * a.nd() + b];
+            }
+        } else if (wtype == F32 || wtype == F16) {
+            const float* x = a.x + m * K;
+            for (int64_t k = 0; k < K; k++) {
+                const float wv = wtype == F32 ? ((const float*)w)[k] : h2f(w + 2 * k);
+                acc += wv * x[k];
+            }
+        } else {  // Q4_K, Q5_K, Q6_K against Q8_K
+            const float* d = a.d + m * a.nd();
+            const int16_t* isum = a.isum + m * a.ns();
+            const int bs = (int)row_bytes(wtype, 256);
+            for (int64_t b = 0; b < K / 256; b++) {
+                const uint8_t* blk = w + b * bs;
+                const int8_t* qb = q + b * 256;
+                const int16_t* bsum = isum + b * 24;
+                int sumi = 0, summ = 0;
+                float dw, dminw = 0;
+                if (wtype == Q6_K) {
+                    const uint8_t* ql = blk;
+                    const uint8_t* qh = blk + 128;
+                    const int8_t* sc = (const int8_t*)(blk + 192);
+                    dw = h2f(blk + 208);
+                    for (int half = 0; half < 2; half++) {
+                        for (int l = 0; l < 32; l++) {
+                            const int is = l / 16;
+                            const int v1 = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+                            const int v2 = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+                            const int v3 = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                            const int v4 = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+                            sumi += sc[is] * v1 * qb[l] + sc[is + 2] * v2 * qb[l + 32] + sc[is + 4] * v3 * qb[l + 64] +
+                                    sc[is + 6] * v4 * qb[l + 96];
+                        }
+                        for (int g = 0; g < 8; g++) summ += 32 * sc[g] * bsum[half * 8 + g];
+                        ql += 64; qh += 32; sc += 8; qb += 128;
+                    }
+                    acc += (dw * d[b]) * (float)(sumi - summ);
+                    continue;
+                }
+                dw = h2f(blk);
+                dminw = h2f(blk + 2);
+                const uint8_t* scales = blk + 4;
+                const bool five = wtype == Q5_K;
+                const uint8_t* qh = blk + 16;
+                const uint8_t* qs = blk + 16 + (five ? 32 : 0);
+                for (int j = 0; j < 8; j++) {
+                    int sc, mn;
+                    if (j < 4) {
+                        sc = scales[j] & 63; mn = scales[j + 4] & 63;
+                    } else {
+                        sc = (scales[j + 4] & 0xF) | ((scales[j - 4] >> 6) << 4);
+                        mn = (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4);
+                    }
+                    const uint8_t* qq = qs + (j / 2) * 32;
+                    int s = 0;
+                    for (int l = 0; l < 32; l++) {
+                        int v = (j & 1) ? (qq[l] >> 4) : (qq[l] & 0xF);
+                        if (five) v |= ((qh[l] >> j) & 1) << 4;
+                        s += v * qb[j * 32 + l];
+                    }
+                    sumi += sc * s;
+                    summ += mn * (bsum[2 * j] + bsum[2 * j + 1]);
+                }
+                acc += (dw * d[b]) * (float)sumi;
+                accm -= (dminw * d[b]) * (float)summ;
+            }
+        }
+        out[r] = acc + accm;
+    }
+}
+
+// ------------------------------------------------------------------------------------------------ AVX2 dots
+#if SC_X86
+
+SC_AVX2 inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// 32 bytes: values 0..15 from the low nibbles of p[0..15], 16..31 from the high nibbles
+SC_AVX2 inline __m256i nibbles32(const uint8_t* p) {
+    const __m128i t = _mm_loadu_si128((const __m128i*)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0xF));
+}
+
+// bit i of the 32-bit word -> 0x10 in byte i
+SC_AVX2 inline __m256i bits32_x16(const uint8_t* p) {
+    uint32_t x;
+    std::memcpy(&x, p, 4);
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x), shuf);
+    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+}
+
+// unsigned 8-bit weights (< 128) times signed 8-bit codes, 32 values -> 8 int32 lanes
+SC_AVX2 inline __m256i udot32(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// signed 8-bit weights times signed 8-bit codes, 32 values -> 8 int32 lanes (|w| <= 127 by the formats)
+SC_AVX2 inline __m256i sdot32(__m256i w_abs, __m256i w, __m256i y) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(y, w)), _mm256_set1_epi16(1));
+}
+
+// Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 (32-value blocks) against Q8_0/Q8_1
+template <int R, int W>
+SC_AVX2 void dot32_avx2(const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
+    const int64_t K = a.K, nb = K / 32;
+    constexpr bool has_min = W == Q4_1 || W == Q5_1, five = W == Q5_0 || W == Q5_1;
+    constexpr int bs = W == Q4_0 ? 18 : W == Q4_1 ? 20 : W == Q5_0 ? 22 : W == Q5_1 ? 24 : 34;
+    __m256 acc[R];
+    float accm[R];
+    const int8_t* q[R];
+    const float* d[R];
+    const float* sa[R];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        accm[r] = 0;
+        q[r] = a.q + rows[r] * K;
+        d[r] = a.d + rows[r] * nb;
+        sa[r] = a.s + rows[r] * nb;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = w + b * bs;
+        const float dw = h2f(blk);
+        __m256i u;  // the weight codes as bytes
+        if constexpr (W == Q8_0) {
+            u = _mm256_loadu_si256((const __m256i*)(blk + 2));
+        } else {
+            const uint8_t* qs = blk + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
+            u = nibbles32(qs);
+            if constexpr (five) u = _mm256_or_si256(u, bits32_x16(blk + 2 + (has_min ? 2 : 0)));
+            if constexpr (!has_min) u = _mm256_sub_epi8(u, _mm256_set1_epi8(five ? 16 : 8));  // signed codes
+        }
+        const __m256i u_abs = has_min ? u : _mm256_sign_epi8(u, u);
+        for (int r = 0; r < R; r++) {
+            const __m256i y = _mm256_loadu_si256((const __m256i*)(q[r] + b * 32));
+            const __m256i p = has_min ? udot32(u, y) : sdot32(u_abs, u, y);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * d[r][b]), _mm256_cvtepi32_ps(p), acc[r]);
+            if constexpr (has_min) accm[r] += h2f(blk + 2) * sa[r][b];
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) + accm[r];
+}
+
+SC_AVX2 inline float hsum4(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// Q4_K/Q5_K against Q8_K
+template <int R, int W>
+SC_AVX2 void dot_q45k_avx2(const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
+    const int64_t K = a.K, nb = K / 256;
+    constexpr bool five = W == Q5_K;
+    constexpr int bs = five ? 176 : 144;
+    __m256 acc[R];
+    __m128 accm[R];
+    const int8_t* q[R];
+    const float* d[R];
+    const int16_t* bsum[R];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        accm[r] = _mm_setzero_ps();
+        q[r] = a.q + rows[r] * K;
+        d[r] = a.d + rows[r] * nb;
+        bsum[r] = a.isum + rows[r] * nb * 24 + 16;  // the per-32 sums of block 0
+    }
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = w + b * bs;
+        const float dw = h2f(blk), dminw = h2f(blk + 2);
+        // 6-bit scales and mins of the 8 sub-blocks, unpacked from 12 bytes into two words of 4 bytes each
+        uint32_t v[3];
+        std::memcpy(v, blk + 4, 12);
+        const uint32_t sc_lo = v[0] & 0x3F3F3F3F, mn_lo = v[1] & 0x3F3F3F3F;
+        const uint32_t sc_hi = (v[2] & 0x0F0F0F0F) | ((v[0] >> 6) & 0x03030303) << 4;
+        const uint32_t mn_hi = ((v[2] >> 4) & 0x0F0F0F0F) | ((v[1] >> 6) & 0x03030303) << 4;
+        uint8_t sc[8];
+        std::memcpy(sc, &sc_lo, 4);
+        std::memcpy(sc + 4, &sc_hi, 4);
+        const __m128i mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)mn_hi, (int)mn_lo));  // 8 x int16
+        const uint8_t* qs = blk + 16 + (five ? 32 : 0);
+        __m256i hbits;
+        if constexpr (five) hbits = _mm256_loadu_si256((const __m256i*)(blk + 16));
+        __m256i sumi[R];
+        for (int r = 0; r < R; r++) sumi[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {  // 64 values: sub-blocks 2j (low nibbles) and 2j + 1 (high nibbles)
+            const __m256i bytes = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));
+            __m256i lo = _mm256_and_si256(bytes, m4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4);
+            if constexpr (five) {
+                const __m256i one = _mm256_set1_epi8(1);
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j), one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j + 1), one), 4));
+            }
+            const __m256i s_lo = _mm256_set1_epi16((short)sc[2 * j]);
+            const __m256i s_hi = _mm256_set1_epi16((short)sc[2 * j + 1]);
+            for (int r = 0; r < R; r++) {
+                const int8_t* y = q[r] + b * 256 + 64 * j;
+                const __m256i p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)y)), s_lo);
+                const __m256i p_hi =
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(y + 32))), s_hi);
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p_lo, p_hi));
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const float da = d[r][b];
+            const __m128i pm = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)(bsum[r] + b * 24)));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * da), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+            accm[r] = _mm_fmadd_ps(_mm_set1_ps(dminw * da), _mm_cvtepi32_ps(pm), accm[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) - hsum4(accm[r]);
+}
+
+// Q6_K against Q8_K: unsigned 6-bit codes v (value = v - 32), int8 scale per 16 values
+template <int R>
+SC_AVX2 void dot_q6k_avx2(const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
+    const int64_t K = a.K, nb = K / 256;
+    __m256 acc[R], accm[R];
+    const int8_t* q[R];
+    const float* d[R];
+    const int16_t* bsum[R];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        accm[r] = _mm256_setzero_ps();
+        q[r] = a.q + rows[r] * K;
+        d[r] = a.d + rows[r] * nb;
+        bsum[r] = a.isum + rows[r] * nb * 24;  // the per-16 sums of block 0
+    }
+    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(0x30);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = w + b * 210;
+        const int8_t* sc = (const int8_t*)(blk + 192);
+        const float dw = h2f(blk + 208);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)sc));  // 16 x int16
+        __m256i sumi[R];
+        for (int r = 0; r < R; r++) sumi[r] = _mm256_setzero_si256();
+        for (int half = 0; half < 2; half++) {
+            const uint8_t* ql = blk + 64 * half;
+            const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * half));
+            const __m256i l0 = _mm256_loadu_si256((const __m256i*)ql);
+            const __m256i l1 = _mm256_loadu_si256((const __m256i*)(ql + 32));
+            __m256i v[4];
+            v[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m2));
+            v[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m2));
+            v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m2));
+            v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                   _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2));
+            const int8_t* s = sc + 8 * half;
+            for (int g = 0; g < 4; g++) {  // 32 values with scales s[2g] (first 16) and s[2g + 1] (last 16)
+                const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(s[2 * g + 1]), _mm_set1_epi16(s[2 * g]));
+                for (int r = 0; r < R; r++) {
+                    const int8_t* y = q[r] + b * 256 + 128 * half + 32 * g;
+                    const __m256i p = _mm256_maddubs_epi16(v[g], _mm256_loadu_si256((const __m256i*)y));
+                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p, scv));
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const float da = d[r][b];
+            // the -32 offset of every code: 32 * sum over the 16 groups of scale * sum of the group's codes
+            const __m256i pm = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i*)(bsum[r] + b * 24)));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * da), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+            accm[r] = _mm256_fmadd_ps(_mm256_set1_ps(32 * dw * da), _mm256_cvtepi32_ps(pm), accm[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) - hsum8(accm[r]);
+}
+
+// float weights (F32, F16) against float rows
+template <int R, int W>
+SC_AVX2 void dot_float_avx2(const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
+    const int64_t K = a.K;
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 wv;
+        if constexpr (W == F32) wv = _mm256_loadu_ps((const float*)w + k);
+        else wv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + 2 * k)));
+        for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(a.x + rows[r] * K + k), acc[r]);
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
+}
+
+SC_AVX2 float dot_f32_avx2(const float* a, const float* b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int t = 0; t < n; t += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + t), _mm256_loadu_ps(b + t), acc);
+    return hsum8(acc);
+}
+
+// o += p * v, n a multiple of 8 (the same lane-wise fma as the scalar fallback's fmaf)
+SC_AVX2 void axpy_f32_avx2(float* o, float p, const float* v, int n) {
+    const __m256 pv = _mm256_set1_ps(p);
+    for (int t = 0; t < n; t += 8)
+        _mm256_storeu_ps(o + t, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + t), _mm256_loadu_ps(o + t)));
+}
+
+template <int R>
+SC_AVX2 void dot_avx2(int wtype, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
+    switch (wtype) {
+        case Q4_0: return dot32_avx2<R, Q4_0>(w, a, rows, out);
+        case Q4_1: return dot32_avx2<R, Q4_1>(w, a, rows, out);
+        case Q5_0: return dot32_avx2<R, Q5_0>(w, a, rows, out);
+        case Q5_1: return dot32_avx2<R, Q5_1>(w, a, rows, out);
+        case Q8_0: return dot32_avx2<R, Q8_0>(w, a, rows, out);
+        case Q4_K: return dot_q45k_avx2<R, Q4_K>(w, a, rows, out);
+        case Q5_K: return dot_q45k_avx2<R, Q5_K>(w, a, rows, out);
+        case Q6_K: return dot_q6k_avx2<R>(w, a, rows, out);
+        case F32: return dot_float_avx2<R, F32>(w, a, rows, out);
+        case F16: return dot_float_avx2<R, F16>(w, a, rows, out);
+    }
+}
+#endif
+
+// R rows of activations (R <= 4) against one weight row
+void dot_rows(int R, int wtype, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
+#if SC_X86
+    if (g_use_avx2) {
+        switch (R) {
+            case 1: return dot_avx2<1>(wtype, w, a, rows, out);
+            case 2: return dot_avx2<2>(wtype, w, a, rows, out);
+            case 3: return dot_avx2<3>(wtype, w, a, rows, out);
+            default: return dot_avx2<4>(wtype, w, a, rows, out);
+        }
+    }
+#endif
+    for (int r = 0; r < R; r++) dot_scalar<1>(wtype, w, a, rows + r, out + r);
+}
+
+// per-thread scratch for quantized activations, reused between calls
+struct ActBuffers {
+    std::vector<int8_t> q;
+    std::vector<float> d, s;
+    std::vector<int16_t> isum;
+};
+
+ActRows quantize_rows(int kind, const float* x, int64_t M, int64_t K, ActBuffers& buf) {
+    ActRows a{kind, K, x, nullptr, nullptr, nullptr, nullptr};
+    if (kind == ACT_F32) return a;
+    const int64_t nd = a.nd(), ns = a.ns();
+    buf.q.resize(M * K);
+    buf.d.resize(M * nd);
+    buf.isum.resize(M * ns);
+    buf.s.resize(kind == ACT_Q8_1 ? M * nd : 0);
+    int8_t* q = buf.q.data();
+    float* d = buf.d.data();
+    int16_t* isum = buf.isum.data();
+    float* s = buf.s.data();
+    const auto one = [&](int64_t m) {
+        quantize_row(kind, x + m * K, K, q + m * K, d + m * nd, isum + m * ns, kind == ACT_Q8_1 ? s + m * nd : nullptr);
+    };
+    if (M * K < (1 << 16)) {
+        for (int64_t m = 0; m < M; m++) one(m);
+    } else {
+        const std::function<void(int64_t)> fn = one;
+        pool().run(g_threads, M, fn);
+    }
+    a.q = q; a.d = d; a.isum = isum; a.s = s;
+    return a;
+}
+
+constexpr int64_t ROW_TILE = 64;  // activation rows kept in cache while a chunk of weight rows passes over them
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------ C API
+
+extern "C" {
+
+int sc_has_avx2() {
+#if SC_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+    return 0;
+#endif
+}
+
+// use_avx2: 1 = the AVX2 kernels where the CPU has them, 0 = the portable scalar ones (tests compare the two)
+void sc_init(int n_threads, int use_avx2, int64_t spin_ns) {
+    g_threads = std::max(1, n_threads);
+    g_use_avx2 = use_avx2 && sc_has_avx2();
+    pool().set_spin_ns(spin_ns);
+}
+
+int64_t sc_row_bytes(int wtype, int64_t K) { return row_bytes(wtype, K); }
+
+// y[M, ldy] (columns [0, sum n_out)) = x[M, K] times the concatenated weights (n_seg segments of n_out[i] rows,
+// each [n_out[i], row_bytes(wtypes[i], K)] bytes) transposed, plus bias[sum n_out] when given. 0 = done.
+int sc_linear(int n_seg, const int* wtypes, const void* const* weights, const int64_t* n_out, int64_t K,
+              const float* x, int64_t M, float* y, int64_t ldy, const float* bias) {
+    if (n_seg < 1 || n_seg > 8 || M < 1) return 1;
+    static thread_local ActBuffers bufs[4];
+    ActRows acts[4];
+    bool have[4] = {false, false, false, false};
+    int64_t col0[9];
+    col0[0] = 0;
+    for (int i = 0; i < n_seg; i++) {
+        const int kind = act_of(wtypes[i]);
+        if (kind < 0 || K % block_size(wtypes[i]) != 0 || K % 32 != 0) return 2;
+        if (!have[kind]) { acts[kind] = quantize_rows(kind, x, M, K, bufs[kind]); have[kind] = true; }
+        col0[i + 1] = col0[i] + n_out[i];
+    }
+    const int64_t N = col0[n_seg];
+    // chunks of weight rows: enough of them to balance the threads, each long enough to amortize the hand-out
+    int64_t chunk = std::max<int64_t>(4, N / (8 * (int64_t)g_threads));
+    chunk = (chunk + 3) / 4 * 4;
+    const int64_t n_chunks = (N + chunk - 1) / chunk;
+    const std::function<void(int64_t)> fn = [&](int64_t c) {
+        const int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
+        int64_t rows[4];
+        float out[4];
+        for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
+            const int64_t m1 = std::min(M, m0 + ROW_TILE);
+            int seg = 0;
+            for (int64_t n = n0; n < n1; n++) {
+                while (n >= col0[seg + 1]) seg++;
+                const int wt = wtypes[seg];
+                const uint8_t* wrow = (const uint8_t*)weights[seg] + (n - col0[seg]) * row_bytes(wt, K);
+                const ActRows& a = acts[act_of(wt)];
+                const float b = bias ? bias[n] : 0.0f;
+                for (int64_t m = m0; m < m1; m += 4) {
+                    const int R = (int)std::min<int64_t>(4, m1 - m);
+                    for (int r = 0; r < R; r++) rows[r] = m + r;
+                    dot_rows(R, wt, wrow, a, rows, out);
+                    for (int r = 0; r < R; r++) y[(m + r) * ldy + n] = bias ? out[r] + b : out[r];
+                }
+            }
+        }
+    };
+    pool().run(g_threads, n_chunks, fn);
+    return 0;
+}
+
+// out[n, D] = x / sqrt(mean(x^2) + eps) * w per row (ggml's rms_norm then mul: the sum of squares in double)
+void sc_rms_norm(const float* x, const float* w, float* out, int64_t n, int64_t D, float eps) {
+    for (int64_t i = 0; i < n; i++) {
+        const float* xr = x + i * D;
+        float* o = out + i * D;
+        double sum = 0.0;
+        for (int64_t j = 0; j < D; j++) sum += (double)(xr[j] * xr[j]);
+        const float mean = (float)(sum / (double)D);
+        const float scale = 1.0f / std::sqrt(mean + eps);
+        for (int64_t j = 0; j < D; j++) o[j] = (xr[j] * scale) * w[j];
+    }
+}
+
+// Causal attention of n_rows query rows over the static KV cache, one (row, head) at a time.
+// q: row r, head h at q + r * q_row + h * q_head ([head_dim] contiguous); k/v cache [n_seq, n_kv_head, n_ctx,
+// head_dim]; row r of sequence row_seq[r] at position row_pos[r] attends to keys [lo, row_pos[r]] with lo = 0, or
+// row_pos[r] - window + 1 when window > 0. out [n_rows, n_head * head_dim]. The scores, their softmax and the
+// weighted sum run over the keys in ascending order, so a row's result depends on nothing but its own keys.
+void sc_attention(const float* q, int64_t q_row, int64_t q_head, int64_t n_rows, int n_head, int n_kv_head,
+                  int head_dim, const float* k_cache, const float* v_cache, int64_t n_ctx, const int64_t* row_seq,
+                  const int64_t* row_pos, int64_t window, float scale, float* out) {
+    const int group = n_head / n_kv_head;
+    const bool avx2 = g_use_avx2 && head_dim % 8 == 0;
+    const int64_t items = n_rows * n_head;
+    const std::function<void(int64_t)> fn = [&](int64_t item) {
+        static thread_local std::vector<float> scores;
+        const int64_t r = item / n_head;
+        const int h = (int)(item % n_head), hk = h / group;
+        const int64_t pos = row_pos[r];
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+        const int64_t n = pos - lo + 1;
+        const float* qv = q + r * q_row + h * q_head;
+        const int64_t base = (row_seq[r] * n_kv_head + hk) * n_ctx;
+        const float* keys = k_cache + (base + lo) * head_dim;
+        const float* vals = v_cache + (base + lo) * head_dim;
+        float* o = out + r * (int64_t)n_head * head_dim + (int64_t)h * head_dim;
+        scores.resize(n);
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < n; j++) {
+            const float* kj = keys + j * head_dim;
+            float s = 0;
+#if SC_X86
+            if (avx2) s = dot_f32_avx2(qv, kj, head_dim);
+            else
+#endif
+                for (int t = 0; t < head_dim; t++) s += qv[t] * kj[t];
+            s *= scale;
+            scores[j] = s;
+            mx = std::max(mx, s);
+        }
+        float sum = 0;
+        for (int64_t j = 0; j < n; j++) {
+            scores[j] = std::exp(scores[j] - mx);
+            sum += scores[j];
+        }
+        for (int t = 0; t < head_dim; t++) o[t] = 0;
+        for (int64_t j = 0; j < n; j++) {
+            const float* vj = vals + j * head_dim;
+#if SC_X86
+            if (avx2) { axpy_f32_avx2(o, scores[j], vj, head_dim); continue; }
+#endif
+            for (int t = 0; t < head_dim; t++) o[t] = std::fma(scores[j], vj[t], o[t]);
+        }
+        const float inv = 1.0f / sum;
+        for (int t = 0; t < head_dim; t++) o[t] *= inv;
+    };
+    pool().run(items >= 2 ? g_threads : 1, items, fn);
+}
+
+// out[n, F] = act(gate) * up with gate_up [n, ld] holding gate in columns [0, F) and up in [F, 2F);
+// act 0 = SiLU (x / (1 + e^-x)), 1 = GELU with the tanh approximation (as ggml_gelu computes it in float)
+void sc_glu(const float* gate_up, int64_t ld, int64_t n, int64_t F, int act, float* out) {
+    constexpr int64_t SPAN = 1024;  // columns per work item: one row's activation is split between the threads too
+    const int64_t spans = (F + SPAN - 1) / SPAN;
+    const std::function<void(int64_t)> fn = [&](int64_t item) {
+        const int64_t i = item / spans, j0 = item % spans * SPAN, j1 = std::min(F, j0 + SPAN);
+        const float* g = gate_up + i * ld;
+        const float* u = g + F;
+        float* o = out + i * F;
+        if (act == 0) {
+            for (int64_t j = j0; j < j1; j++) o[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
+        } else {
+            const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+            for (int64_t j = j0; j < j1; j++) {
+                const float x = g[j];
+                o[j] = 0.5f * x * (1.0f + std::tanh(c * x * (1.0f + 0.044715f * x * x))) * u[j];
+            }
+        }
+    };
+    pool().run(g_threads, n * spans, fn);
+}
+
+// ggml-style activation quantization of one row, for tests: codes [K] int8, d [K / block], isum, s
+void sc_quantize_row(int kind, const float* x, int64_t K, int8_t* q, float* d, int16_t* isum, float* s) {
+    quantize_row(kind, x, K, q, d, isum, s);
+}
+
+}  // extern "C"
