@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
 import torch
 
 from spec_cli.bench.prompts import load_prompt_set, render_tokens

@@ -17,6 +17,7 @@ import statistics
 from pathlib import Path
 
 import numpy as np
+import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
 import torch
 
 from spec_cli.batch import Batch

@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

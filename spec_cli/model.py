@@ -45,6 +45,13 @@ class ForwardPlan:
         return seqs.repeat_interleave(T)
 
     @functools.cached_property
+    def row_write(self) -> torch.Tensor:
+        """[G * T] uint8: 1 for the real rows (written to the cache), 0 for padding."""
+        flags = torch.zeros(self.positions.numel(), dtype=torch.uint8, device=self.positions.device)
+        flags[self.write_rows] = 1
+        return flags
+
+    @functools.cached_property
     def row_pos(self) -> torch.Tensor:
         """[G * T] int64: the position of every (padded) row."""
         return self.positions.reshape(-1).contiguous()
@@ -86,18 +93,24 @@ class Linear(nn.Module):
 _ROPE_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (dim, base, scale) -> cos, sin [n, dim / 2]
 
 
+def rope_table(dim: int, base: float, scale: float, n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [>= n_pos, dim / 2] float32 on the CPU for positions 0, 1, ...: one table per setting (angles in
+    float64), grown by powers of two, so a position's values never depend on the batch it comes in."""
+    table = _ROPE_TABLES.get((dim, base, scale))
+    if table is None or table[0].shape[0] < n_pos:
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        angles = (torch.arange(1 << max(n_pos - 1, 1023).bit_length(), dtype=torch.float64) / scale)[:, None] * inv_freq
+        table = _ROPE_TABLES[(dim, base, scale)] = (angles.cos().float(), angles.sin().float())
+    return table
+
+
 def rope_tables(positions: torch.Tensor, dim: int, base: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     # positions [G, T] -> cos, sin [G, 1, T, dim/2] (broadcast over heads)
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float64) / dim))
     if positions.device.type == "cpu":
-        # rows of one table per setting (angles in float64), so a position's values never depend on its batch
-        need = int(positions.max()) + 1
-        table = _ROPE_TABLES.get((dim, base, scale))
-        if table is None or table[0].shape[0] < need:
-            angles = (torch.arange(1 << max(need - 1, 1023).bit_length(), dtype=torch.float64) / scale)[:, None] * inv_freq
-            table = _ROPE_TABLES[(dim, base, scale)] = (angles.cos().float(), angles.sin().float())
-        return table[0][positions].unsqueeze(1), table[1][positions].unsqueeze(1)
-    angles = (positions.to(torch.float32) / scale)[..., None] * inv_freq.float()
+        cos, sin = rope_table(dim, base, scale, int(positions.max()) + 1)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
+    angles = (positions.to(torch.float32) / scale)[..., None] * inv_freq
     return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
 
 
@@ -131,6 +144,8 @@ class Attention(nn.Module):
         # x [G, T, D]; k_cache/v_cache [n_seq, kv_heads, n_ctx_seq, head_dim]
         cfg = self.cfg
         G, T, _ = x.shape
+        if self.qkv is not None and kernels.usable(x) and k_cache.dtype == torch.float32:
+            return self._forward_kernels(x, plan, k_cache, v_cache)
         if self.qkv is not None:
             q, k, v = self.qkv(x).split(self.qkv.sizes, dim=-1)
         else:
@@ -148,11 +163,6 @@ class Attention(nn.Module):
         v_rows = v.reshape(G * T, cfg.n_head_kv, cfg.head_dim)[plan.write_rows]
         k_cache[plan.write_seq, :, plan.write_pos] = k_rows.to(k_cache.dtype)
         v_cache[plan.write_seq, :, plan.write_pos] = v_rows.to(v_cache.dtype)
-        if kernels.usable(q) and k_cache.dtype == torch.float32:
-            window = cfg.sliding_window if self.swa else 0
-            out = kernels.attention(q.view(G * T, cfg.n_head, cfg.head_dim), k_cache, v_cache, plan.row_seq,
-                                    plan.row_pos, window or 0, cfg.attn_scale)  # [G * T, H * hd]
-            return self.wo(out.view(G, T, -1))
         keys = k_cache[plan.kv_seqs, :, : plan.n_kv]  # [G, Hkv, n_kv, hd]
         values = v_cache[plan.kv_seqs, :, : plan.n_kv]
         mask = plan.mask_swa if self.swa else plan.mask_full
@@ -161,6 +171,21 @@ class Attention(nn.Module):
             enable_gqa=cfg.n_head != cfg.n_head_kv,
         )  # [G, H, T, hd]
         return self.wo(out.transpose(1, 2).reshape(G, T, cfg.n_head * cfg.head_dim))
+
+
+    def _forward_kernels(self, x, plan: ForwardPlan, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """The same layer on the compiled kernels: norms, rope, cache writes and attention row by row."""
+        cfg = self.cfg
+        G, T, _ = x.shape
+        qkv = self.qkv(x).view(G * T, -1)  # [R, (H + 2 H_kv) hd]
+        base = cfg.rope_base_swa if self.swa else cfg.rope_base
+        rope = rope_table(cfg.rope_dim, base, cfg.rope_scale, plan.n_kv)
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+        q = kernels.qkv_prep(qkv, cfg.n_head, cfg.n_head_kv, cfg.head_dim, *norms, cfg.rms_eps, rope, cfg.rope_dim,
+                             cfg.rope_type == "neox", plan.row_seq, plan.row_pos, plan.row_write, k_cache, v_cache)
+        window = (cfg.sliding_window or 0) if self.swa else 0
+        out = kernels.attention(q, k_cache, v_cache, plan.row_seq, plan.row_pos, window, cfg.attn_scale)
+        return self.wo(out.view(G, T, -1))
 
 
 class FeedForward(nn.Module):

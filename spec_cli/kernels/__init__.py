@@ -24,7 +24,7 @@ T = GGMLQuantizationType
 # weight types the kernels multiply as they are; others are dequantized to F32 rows first
 NATIVE_TYPES = frozenset({T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
 ACT_Q8_0, ACT_Q8_1, ACT_Q8_K = 0, 1, 2  # activation formats of sc_quantize_row (kernels.cpp)
-SPIN_NS = int(os.environ.get("SPEC_CLI_SPIN_US", "100")) * 1000  # how long an idle worker spins before sleeping
+SPIN_NS = int(os.environ.get("SPEC_CLI_SPIN_US", "1000")) * 1000  # how long an idle worker spins before sleeping
 
 _i64, _f32p, _vp = ctypes.c_int64, ctypes.POINTER(ctypes.c_float), ctypes.c_void_p
 
@@ -52,6 +52,8 @@ if _lib is not None:
     _lib.sc_rms_norm.argtypes = [_vp, _vp, _vp, _i64, _i64, ctypes.c_float]
     _lib.sc_attention.argtypes = [_vp, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int, ctypes.c_int, _vp, _vp, _i64,
                                   _vp, _vp, _i64, ctypes.c_float, _vp]
+    _lib.sc_qkv_prep.argtypes = [_vp, _i64, _i64, ctypes.c_int, ctypes.c_int, ctypes.c_int, _vp, _vp, ctypes.c_float,
+                                 _vp, _vp, ctypes.c_int, ctypes.c_int, _vp, _vp, _vp, _vp, _vp, _i64, _vp]
     _lib.sc_glu.argtypes = [_vp, _i64, _i64, _i64, ctypes.c_int, _vp]
     _lib.sc_quantize_row.argtypes = [ctypes.c_int, _vp, _i64, _vp, _vp, _vp, _vp]
 
@@ -140,6 +142,24 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row
                       v_cache.data_ptr(), k_cache.shape[2], row_seq.data_ptr(), row_pos.data_ptr(), window, scale,
                       out.data_ptr())
     return out
+
+
+def qkv_prep(qkv: torch.Tensor, n_head: int, n_kv_head: int, head_dim: int, q_norm: torch.Tensor | None,
+             k_norm: torch.Tensor | None, eps: float, rope: tuple[torch.Tensor, torch.Tensor], rope_dim: int, neox: bool,
+             row_seq: torch.Tensor, row_pos: torch.Tensor, row_write: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor) -> torch.Tensor:
+    """Rows of a fused q|k|v product [R, (H + 2 H_kv) hd] -> q [R, H, hd], each head normed (q_norm/k_norm given)
+    and rotated by its row's position (rope = cos, sin tables [n_pos, rope_dim / 2]); k and v of the rows flagged in
+    row_write [R] uint8 are stored into the caches [n_seq, H_kv, n_ctx, hd] at (row_seq, row_pos)."""
+    R = qkv.shape[0]
+    q = torch.empty(R, n_head, head_dim, dtype=torch.float32)
+    cos, sin = rope
+    _lib.sc_qkv_prep(qkv.data_ptr(), qkv.stride(0), R, n_head, n_kv_head, head_dim,
+                     q_norm.data_ptr() if q_norm is not None else None,
+                     k_norm.data_ptr() if k_norm is not None else None, eps, cos.data_ptr(), sin.data_ptr(), rope_dim,
+                     int(neox), row_seq.data_ptr(), row_pos.data_ptr(), row_write.data_ptr(), k_cache.data_ptr(),
+                     v_cache.data_ptr(), k_cache.shape[2], q.data_ptr())
+    return q
 
 
 def glu(gate_up: torch.Tensor, n_ff: int, gelu: bool) -> torch.Tensor:

@@ -541,9 +541,8 @@ SC_AVX2 void dot_q45k_avx2(const uint8_t* w, const ActRows& a, const int64_t* ro
         const uint32_t sc_lo = v[0] & 0x3F3F3F3F, mn_lo = v[1] & 0x3F3F3F3F;
         const uint32_t sc_hi = (v[2] & 0x0F0F0F0F) | ((v[0] >> 6) & 0x03030303) << 4;
         const uint32_t mn_hi = ((v[2] >> 4) & 0x0F0F0F0F) | ((v[1] >> 6) & 0x03030303) << 4;
-        uint8_t sc[8];
-        std::memcpy(sc, &sc_lo, 4);
-        std::memcpy(sc + 4, &sc_hi, 4);
+        // the 8 scales as int16 in both 128-bit halves; sub-block i's scale is picked by a byte shuffle
+        const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)sc_hi, (int)sc_lo)));
         const __m128i mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)mn_hi, (int)mn_lo));  // 8 x int16
         const uint8_t* qs = blk + 16 + (five ? 32 : 0);
         __m256i hbits;
@@ -559,8 +558,8 @@ SC_AVX2 void dot_q45k_avx2(const uint8_t* w, const ActRows& a, const int64_t* ro
                 lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j), one), 4));
                 hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j + 1), one), 4));
             }
-            const __m256i s_lo = _mm256_set1_epi16((short)sc[2 * j]);
-            const __m256i s_hi = _mm256_set1_epi16((short)sc[2 * j + 1]);
+            const __m256i s_lo = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (2 * j))));
+            const __m256i s_hi = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (2 * j + 1))));
             for (int r = 0; r < R; r++) {
                 const int8_t* y = q[r] + b * 256 + 64 * j;
                 const __m256i p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)y)), s_lo);
@@ -677,6 +676,83 @@ SC_AVX2 void dot_avx2(int wtype, const uint8_t* w, const ActRows& a, const int64
         case F16: return dot_float_avx2<R, F16>(w, a, rows, out);
     }
 }
+// quantize_row with AVX2: the same operations on the same values, so the same codes and scales bit for bit
+SC_AVX2 void quantize_row_avx2(int kind, const float* x, int64_t K, int8_t* q, float* d, int16_t* isum, float* s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    if (kind == ACT_Q8_K) {
+        for (int64_t b = 0; b < K / 256; b++) {
+            const float* xb = x + b * 256;
+            int8_t* qb = q + b * 256;
+            __m256 mx = _mm256_setzero_ps();
+            for (int k = 0; k < 256; k += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + k)));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float amax = _mm_cvtss_f32(m4);
+            int16_t* bs = isum + b * 24;
+            if (amax == 0) {
+                d[b] = 0;
+                std::memset(qb, 0, 256);
+                for (int g = 0; g < 24; g++) bs[g] = 0;
+                continue;
+            }
+            int first = 0;  // the first value of largest magnitude gives the scale its sign
+            while (std::fabs(xb[first]) != amax) first++;
+            const float iscale = -127.f / xb[first];
+            const __m256 m = _mm256_set1_ps(iscale);
+            const __m256i hi = _mm256_set1_epi32(127);
+            for (int k = 0; k < 256; k += 32) {
+                __m256i i[4];
+                for (int t = 0; t < 4; t++)
+                    i[t] = _mm256_min_epi32(hi, _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + k + 8 * t), m), rnd)));
+                const __m256i p = _mm256_permutevar8x32_epi32(
+                    _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3])), perm);
+                _mm256_storeu_si256((__m256i*)(qb + k), p);
+                // sums of 16 codes: values k..k+15 are lanes of i[0], i[1]; k+16..k+31 of i[2], i[3]
+                const __m256i s01 = _mm256_add_epi32(i[0], i[1]), s23 = _mm256_add_epi32(i[2], i[3]);
+                __m128i a = _mm_add_epi32(_mm256_castsi256_si128(s01), _mm256_extracti128_si256(s01, 1));
+                __m128i c = _mm_add_epi32(_mm256_castsi256_si128(s23), _mm256_extracti128_si256(s23, 1));
+                a = _mm_hadd_epi32(a, c);  // [a0+a1, a2+a3, c0+c1, c2+c3]
+                a = _mm_hadd_epi32(a, a);
+                bs[k / 16] = (int16_t)_mm_cvtsi128_si32(a);
+                bs[k / 16 + 1] = (int16_t)_mm_extract_epi32(a, 1);
+            }
+            for (int g = 0; g < 8; g++) bs[16 + g] = (int16_t)(bs[2 * g] + bs[2 * g + 1]);
+            d[b] = 1 / iscale;
+        }
+        return;
+    }
+    for (int64_t b = 0; b < K / 32; b++) {
+        const float* xb = x + b * 32;
+        __m256 v[4];
+        __m256 mx = _mm256_setzero_ps();
+        for (int t = 0; t < 4; t++) {
+            v[t] = _mm256_loadu_ps(xb + 8 * t);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[t]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const float db = amax / 127.f;
+        const __m256 m = _mm256_set1_ps(amax != 0.0f ? 127.f / amax : 0.0f);
+        __m256i i[4];
+        for (int t = 0; t < 4; t++) i[t] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[t], m), rnd));
+        const __m256i p = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3])), perm);
+        _mm256_storeu_si256((__m256i*)(q + b * 32), p);
+        __m256i t8 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+        __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t8), _mm256_extracti128_si256(t8, 1));
+        t4 = _mm_hadd_epi32(t4, t4);
+        t4 = _mm_hadd_epi32(t4, t4);
+        const int sum = _mm_cvtsi128_si32(t4);
+        d[b] = round_half(db);
+        isum[b] = (int16_t)sum;
+        if (kind == ACT_Q8_1) s[b] = round_half(db * (float)sum);
+    }
+}
 #endif
 
 // R rows of activations (R <= 4) against one weight row
@@ -714,7 +790,11 @@ ActRows quantize_rows(int kind, const float* x, int64_t M, int64_t K, ActBuffers
     int16_t* isum = buf.isum.data();
     float* s = buf.s.data();
     const auto one = [&](int64_t m) {
-        quantize_row(kind, x + m * K, K, q + m * K, d + m * nd, isum + m * ns, kind == ACT_Q8_1 ? s + m * nd : nullptr);
+        float* sm = kind == ACT_Q8_1 ? s + m * nd : nullptr;
+#if SC_X86
+        if (g_use_avx2) return quantize_row_avx2(kind, x + m * K, K, q + m * K, d + m * nd, isum + m * ns, sm);
+#endif
+        quantize_row(kind, x + m * K, K, q + m * K, d + m * nd, isum + m * ns, sm);
     };
     if (M * K < (1 << 16)) {
         for (int64_t m = 0; m < M; m++) one(m);
@@ -799,16 +879,69 @@ int sc_linear(int n_seg, const int* wtypes, const void* const* weights, const in
     return 0;
 }
 
-// out[n, D] = x / sqrt(mean(x^2) + eps) * w per row (ggml's rms_norm then mul: the sum of squares in double)
+}  // extern "C"
+
+namespace {
+
+// out[D] = x / sqrt(mean(x^2) + eps) * w (ggml's rms_norm then mul: the sum of squares in double); out may be x
+void rms_norm_row(const float* x, const float* w, float* out, int64_t D, float eps) {
+    double sum = 0.0;
+    for (int64_t j = 0; j < D; j++) sum += (double)(x[j] * x[j]);
+    const float mean = (float)(sum / (double)D);
+    const float scale = 1.0f / std::sqrt(mean + eps);
+    for (int64_t j = 0; j < D; j++) out[j] = (x[j] * scale) * w[j];
+}
+
+// rotate the first rope_dim values of x by the angles of one table row (cos, sin [rope_dim / 2]); neox pairs i with
+// i + rope_dim / 2, "norm" pairs 2i with 2i + 1
+void rope_row(float* x, const float* cos, const float* sin, int rope_dim, bool neox) {
+    const int half = rope_dim / 2;
+    for (int i = 0; i < half; i++) {
+        float* a = neox ? x + i : x + 2 * i;
+        float* b = neox ? x + i + half : x + 2 * i + 1;
+        const float x1 = *a, x2 = *b;
+        *a = x1 * cos[i] - x2 * sin[i];
+        *b = x2 * cos[i] + x1 * sin[i];
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// out[n, D] = x / sqrt(mean(x^2) + eps) * w per row
 void sc_rms_norm(const float* x, const float* w, float* out, int64_t n, int64_t D, float eps) {
-    for (int64_t i = 0; i < n; i++) {
-        const float* xr = x + i * D;
-        float* o = out + i * D;
-        double sum = 0.0;
-        for (int64_t j = 0; j < D; j++) sum += (double)(xr[j] * xr[j]);
-        const float mean = (float)(sum / (double)D);
-        const float scale = 1.0f / std::sqrt(mean + eps);
-        for (int64_t j = 0; j < D; j++) o[j] = (xr[j] * scale) * w[j];
+    for (int64_t i = 0; i < n; i++) rms_norm_row(x + i * D, w, out + i * D, D, eps);
+}
+
+// The rows of a fused q|k|v product [R, ld] made ready for attention: each head of q and k normed (when q_norm /
+// k_norm are given, per head_dim) and rotated by its row's position (rope tables [n_pos, rope_dim / 2]); q goes to
+// q_out [R, n_head, head_dim], k and v of the rows with row_write[r] into the caches [n_seq, n_kv_head, n_ctx,
+// head_dim] at (row_seq[r], row_pos[r]). Rows without the flag (padding) are never written.
+void sc_qkv_prep(const float* qkv, int64_t ld, int64_t R, int n_head, int n_kv_head, int head_dim,
+                 const float* q_norm, const float* k_norm, float eps, const float* rope_cos, const float* rope_sin,
+                 int rope_dim, int neox, const int64_t* row_seq, const int64_t* row_pos, const uint8_t* row_write,
+                 float* k_cache, float* v_cache, int64_t n_ctx, float* q_out) {
+    const int half = rope_dim / 2;
+    for (int64_t r = 0; r < R; r++) {
+        const float* src = qkv + r * ld;
+        const float* cs = rope_cos + row_pos[r] * half;
+        const float* sn = rope_sin + row_pos[r] * half;
+        for (int h = 0; h < n_head; h++) {
+            float* dst = q_out + (r * n_head + h) * head_dim;
+            std::memcpy(dst, src + h * head_dim, sizeof(float) * head_dim);
+            if (q_norm) rms_norm_row(dst, q_norm, dst, head_dim, eps);
+            rope_row(dst, cs, sn, rope_dim, neox);
+        }
+        if (!row_write[r]) continue;
+        for (int h = 0; h < n_kv_head; h++) {
+            const int64_t cell = ((row_seq[r] * n_kv_head + h) * n_ctx + row_pos[r]) * head_dim;
+            float* kd = k_cache + cell;
+            std::memcpy(kd, src + (n_head + h) * head_dim, sizeof(float) * head_dim);
+            if (k_norm) rms_norm_row(kd, k_norm, kd, head_dim, eps);
+            rope_row(kd, cs, sn, rope_dim, neox);
+            std::memcpy(v_cache + cell, src + (n_head + n_kv_head + h) * head_dim, sizeof(float) * head_dim);
+        }
     }
 }
 
