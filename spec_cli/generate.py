@@ -81,6 +81,7 @@ class Timings:
     t_verify_ms: float = 0.0  # target decode of the verify batches
     t_accept_ms: float = 0.0  # verification + rollback + drafter accept
     n_steps: int = 0  # target decodes after the prompt
+    t_calibrate_ms: float = 0.0  # --draft-max auto's one-time verify-cost calibration (not generation)
 
 
 class Generator:
@@ -142,7 +143,9 @@ class Generator:
         if not seqs:
             return []
         if self.planner is not None and not self.planner.costs.calibrated:
+            t = time.perf_counter()
             self.planner.costs.calibrate(self.target, seqs[0].seq)  # once per engine, at a real depth
+            self.timings.t_calibrate_ms += (time.perf_counter() - t) * 1000
         t0 = time.perf_counter()
         params = self._draft(seqs)
         t1 = time.perf_counter()

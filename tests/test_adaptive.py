@@ -400,6 +400,22 @@ def test_cli_draft_max_auto(capsys, monkeypatch, tiny_model_path):
     assert "mean_draft_len" in spec["drafters"][0]
 
 
+def test_first_run_calibration_is_not_generation_time(capsys, monkeypatch, tiny_model_path):
+    """The one-time verify-cost calibration of --draft-max auto runs inside the first step, but the generation speed
+    reported must not include it (smollm2-135m's first run once reported 3.5 tok/s, its second 10.5)."""
+    calibrate = CostModel.calibrate
+
+    def slow_calibrate(self, ctx, seq):
+        time.sleep(1.0)
+        calibrate(self, ctx, seq)
+
+    monkeypatch.setattr(CostModel, "calibrate", slow_calibrate)
+    code, out, err = cli(capsys, monkeypatch, "speculative-simple", "-m", str(tiny_model_path), "-p", PROMPT, "-n",
+                         "8", "--temp", "0", "--json", "--spec-type", "ngram-simple", "--draft-max", "auto")
+    assert code == 0, err
+    assert json.loads(out)["predicted_ms"] < 900
+
+
 @pytest.mark.parametrize("value", ["abc", "-3", "1.5"])
 def test_cli_bad_draft_max_is_a_usage_error(capsys, monkeypatch, tiny_model_path, value):
     code, _, err = cli(capsys, monkeypatch, "speculative-simple", "-m", str(tiny_model_path), "-p", PROMPT,

@@ -1,9 +1,13 @@
 """Parity with llama.cpp on the real GGUF models: greedy tokens from tests/reference (llama.cpp via llama-cpp-python).
 
-llama.cpp multiplies quantized weights with quantized activations, so its logits differ from ours by up to ~0.1-0.2
-on these models. Where its top-1/top-2 margin is that small, either engine may pick the other token; so the
-teacher-forced test feeds llama.cpp's tokens and requires the same argmax wherever its margin is clear, and requires
-every disagreement to be a near tie in our logits too (the margins are printed in the failure message).
+Both engines multiply the GGUF weight blocks with activations quantized to 8 bits per block (ggml's rule; ours in
+spec_cli/kernels). Bit-exact agreement would need every earlier float operation to match too: any difference flips
+some roundings of the 8-bit codes, so the two engines' logits differ by about what that quantization itself costs.
+Measured with scripts/logit_diff.py (teacher-forced, median over positions of the largest |logit difference|):
+0.73 smollm2-135m, 1.35 gemma3-270m, 0.37 qwen2.5-coder-0.5b, 0.49 qwen2.5-coder-1.5b, about the same as between our
+own 8-bit and float32 paths (0.64, 1.26, 0.33, 0.42). So the teacher-forced test feeds llama.cpp's tokens and requires
+the same argmax wherever its margin is clear of that noise, and every disagreement to be a near tie in our logits
+too (the margins are printed in the failure message).
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from spec_cli.loader import load_model
 from spec_cli.sampling import SamplingParams
 from tests.real_models import real_model, reference
 
-CLEAR_MARGIN = 0.25  # llama.cpp logit margin above which we must pick llama.cpp's token
-NEAR_TIE = 0.25  # our own margin for a tolerated disagreement
+CLEAR_MARGIN = 0.5  # llama.cpp logit margin above which we must pick llama.cpp's token
+NEAR_TIE = 0.5  # our own margin for a tolerated disagreement
+FREE_RUN_MARGIN = 0.25  # free-running greedy output must equal llama.cpp's up to its first margin below this
 
 pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("two_threads")]
 
@@ -56,7 +61,7 @@ def test_free_running_greedy_matches_llamacpp_up_to_the_first_near_tie(name):
     engine = build_engine(EngineOptions(model=str(real_model(name)), n_ctx=1024, device="cpu"))
     for case in reference(name)["greedy"]:
         margins = case["top1_minus_top2_logit"]
-        safe = next((i for i, m in enumerate(margins) if m < CLEAR_MARGIN), len(margins))
+        safe = next((i for i, m in enumerate(margins) if m < FREE_RUN_MARGIN), len(margins))
         if safe == 0:
             continue
         engine.reset()
@@ -81,8 +86,9 @@ def test_run_command_prints_llamacpp_continuation():
 
 
 def test_near_tie_divergence_is_shown_with_its_margin():
-    """smollm2 'fibonacci': llama.cpp picks 2822 at step 13 with a 0.107 margin; we pick another token by a similar
-    margin. Both engines agree everywhere the margin is clear (test above); this pins the known near tie."""
+    """smollm2 'fibonacci': llama.cpp picks 2822 at step 13 with a 0.107 margin; we pick another token by a margin
+    within the engines' logit noise. Both engines agree everywhere the margin is clear (test above); this pins the
+    known near tie."""
     case = next(c for c in reference("smollm2-135m")["greedy"] if c["id"] == "fibonacci")
     loaded = load_model(real_model("smollm2-135m"), device="cpu")
     tokens = case["prompt_ids"] + case["output_ids"][:13]

@@ -755,7 +755,7 @@ SC_AVX2 void quantize_row_avx2(int kind, const float* x, int64_t K, int8_t* q, f
 }
 #endif
 
-// R rows of activations (R <= 4) against one weight row
+// R rows of activations (R <= MAX_R) against one weight row
 void dot_rows(int R, int wtype, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
 #if SC_X86
     if (g_use_avx2) {
@@ -763,7 +763,11 @@ void dot_rows(int R, int wtype, const uint8_t* w, const ActRows& a, const int64_
             case 1: return dot_avx2<1>(wtype, w, a, rows, out);
             case 2: return dot_avx2<2>(wtype, w, a, rows, out);
             case 3: return dot_avx2<3>(wtype, w, a, rows, out);
-            default: return dot_avx2<4>(wtype, w, a, rows, out);
+            case 4: return dot_avx2<4>(wtype, w, a, rows, out);
+            case 5: return dot_avx2<5>(wtype, w, a, rows, out);
+            case 6: return dot_avx2<6>(wtype, w, a, rows, out);
+            case 7: return dot_avx2<7>(wtype, w, a, rows, out);
+            default: return dot_avx2<8>(wtype, w, a, rows, out);
         }
     }
 #endif
@@ -807,6 +811,7 @@ ActRows quantize_rows(int kind, const float* x, int64_t M, int64_t K, ActBuffers
 }
 
 constexpr int64_t ROW_TILE = 64;  // activation rows kept in cache while a chunk of weight rows passes over them
+constexpr int MAX_R = 8;  // activation rows multiplied with one weight row per pass (its unpacking is shared)
 
 }  // namespace
 
@@ -855,8 +860,8 @@ int sc_linear(int n_seg, const int* wtypes, const void* const* weights, const in
     const int64_t n_chunks = (N + chunk - 1) / chunk;
     const std::function<void(int64_t)> fn = [&](int64_t c) {
         const int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
-        int64_t rows[4];
-        float out[4];
+        int64_t rows[MAX_R];
+        float out[MAX_R];
         for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
             const int64_t m1 = std::min(M, m0 + ROW_TILE);
             int seg = 0;
@@ -866,8 +871,8 @@ int sc_linear(int n_seg, const int* wtypes, const void* const* weights, const in
                 const uint8_t* wrow = (const uint8_t*)weights[seg] + (n - col0[seg]) * row_bytes(wt, K);
                 const ActRows& a = acts[act_of(wt)];
                 const float b = bias ? bias[n] : 0.0f;
-                for (int64_t m = m0; m < m1; m += 4) {
-                    const int R = (int)std::min<int64_t>(4, m1 - m);
+                for (int64_t m = m0; m < m1; m += MAX_R) {
+                    const int R = (int)std::min<int64_t>(MAX_R, m1 - m);
                     for (int r = 0; r < R; r++) rows[r] = m + r;
                     dot_rows(R, wt, wrow, a, rows, out);
                     for (int r = 0; r < R; r++) y[(m + r) * ldy + n] = bias ? out[r] + b : out[r];
