@@ -2,6 +2,11 @@
 
 The output projection is scaled up so the logits are well separated: greedy decoding then has no near ties,
 and batched verification (k rows) picks the same argmax as one-row decoding.
+
+Weights of the block types gguf.quants can quantize (F16, Q4_0 ... Q8_0) are quantized from the float draw; the
+K types it cannot (Q2_K ... Q6_K) get random codes and sub-block scales with the fp16 super-block scales set so
+the weights have the float draw's standard deviation (`random_blocks`). K types need rows of a multiple of 256
+values: pass larger `dims` (e.g. K_DIMS).
 """
 
 from __future__ import annotations
@@ -9,11 +14,45 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 
 from tests.tiny_vocab import tiny_bpe_metadata
 
+T = GGMLQuantizationType
 DIMS = dict(n_embd=64, n_ff=128, n_head=4, n_head_kv=2, head_dim=16)
+K_DIMS = dict(n_embd=256, n_ff=512, n_head=4, n_head_kv=2, head_dim=64)  # every row a multiple of 256 values
+
+# block types gguf.quants cannot quantize: byte offsets of a block's fp16 scales (d, then dmin where there is
+# one) and the dmin / d ratio that centres random codes (E[scale * code] / E[min] for uniform random bytes)
+_RANDOM_K = {T.Q2_K: ((80, 82), 1.5), T.Q3_K: ((108,), 0.0), T.Q4_K: ((0, 2), 7.5), T.Q5_K: ((0, 2), 15.5),
+             T.Q6_K: ((208,), 0.0)}
+
+
+def quantizable(qtype: GGMLQuantizationType) -> bool:
+    """Whether gguf.quants.quantize handles this block type (else random_blocks makes its weights)."""
+    return qtype not in _RANDOM_K
+
+
+def random_blocks(qtype: GGMLQuantizationType, shape: tuple[int, int], std: float,
+                  rng: np.random.Generator) -> np.ndarray:
+    """[N, K] weights of a K block type as raw blocks [N, row_bytes] uint8: random codes and sub-block scales,
+    fp16 super-block scales chosen so the dequantized weights' standard deviation is about `std` (each row's
+    scale also varies by up to 2x)."""
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    N, K = shape
+    blocks = rng.integers(0, 256, (N, K // block, type_size), dtype=np.uint8)
+    offsets, ratio = _RANDOM_K[qtype]
+    row_scale = rng.uniform(0.5, 1.0, (N, 1)).astype(np.float32)
+
+    def set_scales(d: float) -> None:
+        for off, value in zip(offsets, (d, d * ratio)):
+            field = np.broadcast_to(row_scale * value, (N, K // block)).astype(np.float16)
+            blocks[:, :, off : off + 2] = field.view(np.uint8).reshape(N, K // block, 2)
+
+    set_scales(1.0)
+    measured = float(quants.dequantize(blocks.reshape(N, -1), qtype).std())
+    set_scales(std / measured)
+    return blocks.reshape(N, -1)
 
 
 def _add_metadata(w: GGUFWriter, meta: dict) -> None:
@@ -44,9 +83,13 @@ def write_tiny_gguf(
     perturb: float = 0.0,
     with_tokenizer: bool = True,
     vocab_changes: dict | None = None,
+    dims: dict | None = None,
+    qtype_overrides: dict[str, GGMLQuantizationType] | None = None,
 ) -> Path:
     """`perturb` > 0 adds that much relative noise (from another seed) to every weight: a draft model that
-    agrees with the unperturbed target most of the time, not always."""
+    agrees with the unperturbed target most of the time, not always (not for K block types: random blocks).
+    `dims` overrides entries of DIMS; `qtype_overrides` maps a tensor name suffix ("attn_v.weight",
+    "output.weight", ...) to the block type of those matrices (as a Q4_K_M file mixes Q4_K and Q6_K)."""
     rng = np.random.default_rng(seed)
     noise = np.random.default_rng(seed + 1000)
     vocab = tiny_bpe_metadata()
@@ -57,7 +100,8 @@ def write_tiny_gguf(
         else:
             vocab[key] = value
     n_vocab = len(vocab["tokenizer.ggml.tokens"])
-    d, ff, nh, nkv, hd = (DIMS[k] for k in ("n_embd", "n_ff", "n_head", "n_head_kv", "head_dim"))
+    dims = {**DIMS, **(dims or {})}
+    d, ff, nh, nkv, hd = (dims[k] for k in ("n_embd", "n_ff", "n_head", "n_head_kv", "head_dim"))
     w = GGUFWriter(str(path), arch)
     meta = {
         f"{arch}.block_count": n_layer,
@@ -82,8 +126,11 @@ def write_tiny_gguf(
         if perturb:
             arr = arr + noise.standard_normal(shape) * scale * perturb
         arr = arr.astype(np.float32)
-        if quantize and qtype != GGMLQuantizationType.F32 and len(shape) == 2:
-            w.add_tensor(name, quants.quantize(arr, qtype), raw_dtype=qtype)  # gguf infers the shape from the bytes
+        qt = next((t for suffix, t in (qtype_overrides or {}).items()
+                   if name == suffix or name.endswith("." + suffix)), qtype)
+        if quantize and qt != GGMLQuantizationType.F32 and len(shape) == 2:
+            blocks = quants.quantize(arr, qt) if quantizable(qt) else random_blocks(qt, shape, scale, rng)
+            w.add_tensor(name, blocks, raw_dtype=qt)  # gguf infers the shape from the bytes
         else:
             w.add_tensor(name, arr)
 
