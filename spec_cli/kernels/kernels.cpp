@@ -654,11 +654,60 @@ SC_AVX2 float dot_f32_avx2(const float* a, const float* b, int n) {
     return hsum8(acc);
 }
 
-// o += p * v, n a multiple of 8 (the same lane-wise fma as the scalar fallback's fmaf)
-SC_AVX2 void axpy_f32_avx2(float* o, float p, const float* v, int n) {
-    const __m256 pv = _mm256_set1_ps(p);
-    for (int t = 0; t < n; t += 8)
-        _mm256_storeu_ps(o + t, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + t), _mm256_loadu_ps(o + t)));
+// e^x for x <= 0 (softmax after the max is subtracted): x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-7 polynomial
+// (Cephes' expf coefficients), times 2^n built in the exponent bits. Below -87 the result is ~1e-38, not 0.
+SC_AVX2 inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// One query head over its n keys: o[hd] = softmax(scale q.k_j) . v_j. Scores and their exponentials in 8-lane steps
+// (a row's n fixes which keys take the scalar tail, so its result still depends on nothing but its own keys); the
+// weighted sum keeps 64 output values in registers while the keys stream past.
+SC_AVX2 void attend_avx2(const float* q, const float* keys, const float* vals, int64_t n, int hd, float scale,
+                         float* scores, float* o) {
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; j++) {
+        scores[j] = dot_f32_avx2(q, keys + j * hd, hd) * scale;
+        mx = std::max(mx, scores[j]);
+    }
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), vmx));
+        _mm256_storeu_ps(scores + j, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum8(vsum);
+    for (; j < n; j++) {
+        scores[j] = std::exp(scores[j] - mx);
+        sum += scores[j];
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / sum);
+    for (int d0 = 0; d0 < hd; d0 += 64) {
+        const int nv = std::min(64, hd - d0) / 8;
+        __m256 acc[8];
+        for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < n; k++) {
+            const __m256 p = _mm256_set1_ps(scores[k]);
+            const float* v = vals + k * hd + d0;
+            for (int t = 0; t < nv; t++) acc[t] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * t), acc[t]);
+        }
+        for (int t = 0; t < nv; t++) _mm256_storeu_ps(o + d0 + 8 * t, _mm256_mul_ps(acc[t], inv));
+    }
 }
 
 template <int R>
@@ -974,15 +1023,14 @@ void sc_attention(const float* q, int64_t q_row, int64_t q_head, int64_t n_rows,
         const float* vals = v_cache + (base + lo) * head_dim;
         float* o = out + r * (int64_t)n_head * head_dim + (int64_t)h * head_dim;
         scores.resize(n);
+#if SC_X86
+        if (avx2) return attend_avx2(qv, keys, vals, n, head_dim, scale, scores.data(), o);
+#endif
         float mx = -INFINITY;
         for (int64_t j = 0; j < n; j++) {
             const float* kj = keys + j * head_dim;
             float s = 0;
-#if SC_X86
-            if (avx2) s = dot_f32_avx2(qv, kj, head_dim);
-            else
-#endif
-                for (int t = 0; t < head_dim; t++) s += qv[t] * kj[t];
+            for (int t = 0; t < head_dim; t++) s += qv[t] * kj[t];
             s *= scale;
             scores[j] = s;
             mx = std::max(mx, s);
@@ -995,9 +1043,6 @@ void sc_attention(const float* q, int64_t q_row, int64_t q_head, int64_t n_rows,
         for (int t = 0; t < head_dim; t++) o[t] = 0;
         for (int64_t j = 0; j < n; j++) {
             const float* vj = vals + j * head_dim;
-#if SC_X86
-            if (avx2) { axpy_f32_avx2(o, scores[j], vj, head_dim); continue; }
-#endif
             for (int t = 0; t < head_dim; t++) o[t] = std::fma(scores[j], vj[t], o[t]);
         }
         const float inv = 1.0f / sum;
