@@ -446,14 +446,14 @@ SC_AVX2 inline __m256i nibbles32(const uint8_t* p) {
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0xF));
 }
 
-// bit i of the 32-bit word -> 0x10 in byte i
-SC_AVX2 inline __m256i bits32_x16(const uint8_t* p) {
+// bit i of the 32-bit word -> 0xFF in byte i, else 0
+SC_AVX2 inline __m256i bits32_mask(const uint8_t* p) {
     uint32_t x;
     std::memcpy(&x, p, 4);
     const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
     __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x), shuf);
     bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
-    return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+    return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
 }
 
 // unsigned 8-bit weights (< 128) times signed 8-bit codes, 32 values -> 8 int32 lanes
@@ -493,8 +493,13 @@ SC_AVX2 void dot32_avx2(const uint8_t* w, const ActRows& a, const int64_t* rows,
         } else {
             const uint8_t* qs = blk + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
             u = nibbles32(qs);
-            if constexpr (five) u = _mm256_or_si256(u, bits32_x16(blk + 2 + (has_min ? 2 : 0)));
-            if constexpr (!has_min) u = _mm256_sub_epi8(u, _mm256_set1_epi8(five ? 16 : 8));  // signed codes
+            if constexpr (five) {
+                const __m256i bit = bits32_mask(blk + 2 + (has_min ? 2 : 0));
+                if constexpr (has_min) u = _mm256_or_si256(u, _mm256_and_si256(bit, _mm256_set1_epi8(0x10)));
+                else u = _mm256_or_si256(u, _mm256_andnot_si256(bit, _mm256_set1_epi8((char)0xF0)));  // q | 16 * bit - 16
+            } else if constexpr (!has_min) {
+                u = _mm256_sub_epi8(u, _mm256_set1_epi8(8));  // Q4_0: signed codes q - 8
+            }
         }
         const __m256i u_abs = has_min ? u : _mm256_sign_epi8(u, u);
         for (int r = 0; r < R; r++) {
