@@ -539,3 +539,27 @@ def test_tiny_model_on_the_kernels_is_close_to_float32_weights(tmp_path, arch, q
     got, want = Context(q, n_ctx=64).decode(batch).logits, Context(f32, n_ctx=64).decode(batch).logits
     rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max()
     assert rel < 0.05, f"{arch} {qtype.name}: worst position's relative logit error {rel:.3g}"
+
+
+# --- without the compiled library ---------------------------------------------------------------------------------
+
+
+def test_without_the_library_auto_falls_back_to_float32_and_q_is_an_error(monkeypatch, capsys, tmp_path):
+    """A machine that could not build the kernels: `--dtype auto` loads float32 weights and says why (once, on
+    stderr); an explicit `--dtype q` is a clear error."""
+    from spec_cli import loader
+    from spec_cli.errors import SpecCliError
+
+    path = write_tiny_gguf(tmp_path / "tiny-q8.gguf", arch="llama", seed=1, qtype=T.Q8_0)
+    monkeypatch.setattr(kernels, "_lib", None)
+    monkeypatch.setattr(kernels, "_why", "the C++ kernels were not built (test)")
+    loader._warn_once.cache_clear()
+    loaded = load_model(path, device="cpu")
+    assert loaded.weights == "f32" and not any(isinstance(m, QLinear) for m in loaded.model.modules())
+    assert "the C++ kernels were not built (test)" in capsys.readouterr().err
+    batch = Batch()
+    for i, tok in enumerate([1, 2, 3]):
+        batch.add(tok, i, 0, i == 2)
+    assert torch.isfinite(Context(loaded, n_ctx=16).decode(batch).logits).all()
+    with pytest.raises(SpecCliError, match="--dtype q needs"):
+        load_model(path, device="cpu", dtype="q")
