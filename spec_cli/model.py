@@ -38,7 +38,7 @@ class ForwardPlan:
     @functools.cached_property
     def row_seq(self) -> torch.Tensor:
         """[G * T] int64: the cache sequence of every (padded) row, for the attention kernel."""
-        G, T = self.positions.shape
+        T = self.positions.shape[1]
         seqs = self.kv_seqs
         if isinstance(seqs, slice):
             seqs = torch.arange(seqs.start, seqs.stop, device=self.positions.device)
@@ -171,7 +171,6 @@ class Attention(nn.Module):
             enable_gqa=cfg.n_head != cfg.n_head_kv,
         )  # [G, H, T, hd]
         return self.wo(out.transpose(1, 2).reshape(G, T, cfg.n_head * cfg.head_dim))
-
 
     def _forward_kernels(self, x, plan: ForwardPlan, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """The same layer on the compiled kernels: norms, rope, cache writes and attention row by row."""

@@ -1,9 +1,9 @@
 // spec-cli's CPU kernels: GGUF weight blocks times 8-bit activation blocks, attention over the static KV cache,
-// RMS norm. Loaded with ctypes by spec_cli/kernels/__init__.py (plain C entry points, no Python or torch headers).
+// RMS norm, q/k norm + rope + KV writes, the gated FFN activation. Loaded with ctypes by spec_cli/kernels/__init__.py (plain C entry points, no Python or torch headers).
 //
 // Batch invariance by construction: every output element is computed by the same sequence of operations whatever
 // the number of rows in the call, the rows beside it, the thread count or which thread computes it. Rows are
-// quantized one at a time; a weight row is multiplied with 1 to 4 activation rows at a time by one template whose
+// quantized one at a time; a weight row is multiplied with 1 to 8 activation rows at a time by one template whose
 // per-row arithmetic does not depend on how many rows share the weight loads; threads take whole output columns.
 // No -ffast-math and no FMA contraction (setup.py), so the compiler cannot reassociate any of it.
 //
@@ -326,8 +326,7 @@ void quantize_row(int kind, const float* x, int64_t K, int8_t* q, float* d, int1
 // ------------------------------------------------------------------------------------------------ scalar dots
 // out[r] = dot(weight row, activation row r) for R rows; exact integer sums per block, float per block.
 
-template <int R>
-void dot_scalar(int wtype, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
+void dot_scalar(int R, int wtype, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
     const int64_t K = a.K;
     for (int r = 0; r < R; r++) {
         const int64_t m = rows[r];
@@ -825,7 +824,7 @@ void dot_rows(int R, int wtype, const uint8_t* w, const ActRows& a, const int64_
         }
     }
 #endif
-    for (int r = 0; r < R; r++) dot_scalar<1>(wtype, w, a, rows + r, out + r);
+    dot_scalar(R, wtype, w, a, rows, out);
 }
 
 // per-thread scratch for quantized activations, reused between calls
