@@ -19,10 +19,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
 import torch
@@ -103,25 +107,20 @@ def parse_spec(text: str) -> tuple[list[str], int | str]:
 
 def llama_cpp_runner(model_path: str, threads: int, n_ctx: int, n_gen: int, eog: set[int],
                      lookup: bool) -> Callable[[list[int]], Run]:
-    from llama_cpp import Llama
-    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-    draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if lookup else None
-    llm = Llama(model_path=model_path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False,
-                draft_model=draft)
+    """llama.cpp in a worker process of its own (scripts/llama_cpp_worker.py: OpenMP defaults, no torch)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    worker = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("llama_cpp_worker.py")), model_path, str(n_ctx), str(threads),
+         str(n_gen), "1" if lookup else "0", ",".join(map(str, sorted(eog)))],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    if not json.loads(worker.stdout.readline() or "{}").get("ready"):
+        raise SystemExit("the llama.cpp worker did not start (see its error above)")
 
     def run(prompt: list[int]) -> Run:
-        llm.reset()
-        n, t0 = 0, 0.0
-        for tok in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
-            if tok in eog:
-                break
-            n += 1
-            if n == 1:
-                t0 = time.perf_counter()
-            if n >= n_gen:
-                break
-        return Run(n - 1, time.perf_counter() - t0)
+        worker.stdin.write(json.dumps(prompt) + "\n")
+        worker.stdin.flush()
+        result = json.loads(worker.stdout.readline())
+        return Run(result["n_tokens"], result["seconds"])
 
     return run
 
