@@ -7,7 +7,9 @@ processing excluded on both sides). Configurations:
 
   spec-cli    plain, and speculative configurations given as TYPES:DRAFT_MAX (default: ngram-mod:16,
               draft-simple:16, ngram-mod,draft-simple:16 and the same with draft-max auto)
-  llama.cpp   plain, and prompt-lookup decoding (llama-cpp-python's LlamaPromptLookupDecoding), when installed
+  llama.cpp   plain, and prompt-lookup decoding (llama-cpp-python's LlamaPromptLookupDecoding), when installed;
+              each in a worker process of its own (scripts/llama_cpp_worker.py), away from torch and spec-cli's
+              OpenMP policy
 
 The last line is machine-readable: `spec-cli best / llama.cpp best: <ratio>x` (`n/a` without llama-cpp-python).
 
