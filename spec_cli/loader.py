@@ -22,7 +22,7 @@ from spec_cli.errors import SpecCliError, UsageError
 from spec_cli.gguf_file import GGUFFile
 from spec_cli.model import Linear, Transformer
 from spec_cli import kernels
-from spec_cli.qlinear import QLinear, fuse_projections, quantized_linear, supports
+from spec_cli.qlinear import QLinear, fuse_projections, supports
 from spec_cli.quants import load_tensor
 
 # GGUF block tensor suffix -> attribute path inside model.Block
@@ -125,7 +125,7 @@ def _set_quantized(module: nn.Module, path: str, gf: GGUFFile, name: str) -> boo
     old = getattr(module, parents[-1])
     if leaf != "weight" or not isinstance(old, Linear) or not supports(info.qtype, info.shape):
         return False
-    setattr(module, parents[-1], quantized_linear(gf.tensor_bytes(name), info.qtype, info.shape, old.bias))
+    setattr(module, parents[-1], QLinear.from_gguf(gf.tensor_bytes(name), info.qtype, info.shape, old.bias))
     return True
 
 

@@ -13,6 +13,7 @@ concatenates them along n_out, whatever their block types.
 
 from __future__ import annotations
 
+import gguf.quants
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
@@ -47,9 +48,10 @@ class QLinear(nn.Module):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: nn.Parameter | None = None) -> "QLinear":
-        """A float weight [N, K] quantized to Q8_0 blocks (a distilled MTP head's block, stored as float32)."""
-        N, K = weight.shape
-        return cls([(T.Q8_0, quantize_q8_0(weight.float()))], K, bias)
+        """A float weight [N, K] quantized to Q8_0 blocks by gguf's quantizer (a distilled MTP head's block, stored as
+        float32)."""
+        blocks = gguf.quants.quantize(weight.detach().float().cpu().numpy(), T.Q8_0)  # [N, K / 32 * 34] uint8
+        return cls([(T.Q8_0, torch.from_numpy(blocks))], weight.shape[1], bias)
 
     def select_rows(self, ids: torch.Tensor) -> "QLinear":
         """The layer restricted to output rows `ids` (a draft vocabulary): y[..., i] = full y[..., ids[i]]."""
@@ -70,31 +72,12 @@ class QLinear(nn.Module):
         return y.view(*x.shape[:-1], self.n_out)
 
 
-def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
-    """float32 [N, K] -> Q8_0 blocks [N, K / 32 * 34] uint8 (ggml's quantize_row_q8_0_ref: d = amax / 127 as fp16,
-    codes round(x / d))."""
-    N, K = w.shape
-    blocks = w.reshape(N, K // 32, 32)
-    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
-    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    codes = (blocks * inv).round().to(torch.int8)  # [N, K / 32, 32]
-    out = torch.empty(N, K // 32, 34, dtype=torch.uint8)
-    out[..., :2] = d.to(torch.float16).view(torch.uint8)
-    out[..., 2:] = codes.view(torch.uint8)
-    return out.view(N, -1)
-
-
 def supports(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> bool:
     """Whether a weight of this type and [N, K] shape gets a QLinear (else it stays a float `Linear`): the kernels
     need K a multiple of 32 and whole blocks per row."""
     if not kernels.available() or len(shape) != 2 or shape[1] % 32 or qtype not in GGML_QUANT_SIZES:
         return False
     return qtype not in kernels.NATIVE_TYPES or shape[1] % GGML_QUANT_SIZES[qtype][0] == 0
-
-
-def quantized_linear(raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, int],
-                     bias: nn.Parameter | None = None) -> QLinear:
-    return QLinear.from_gguf(raw, qtype, shape, bias)
 
 
 def _concat(parts: list[QLinear]) -> QLinear:

@@ -26,7 +26,7 @@ NATIVE_TYPES = frozenset({T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, 
 ACT_Q8_0, ACT_Q8_1, ACT_Q8_K = 0, 1, 2  # activation formats of sc_quantize_row (kernels.cpp)
 SPIN_NS = int(os.environ.get("SPEC_CLI_SPIN_US", "1000")) * 1000  # how long an idle worker spins before sleeping
 
-_i64, _f32p, _vp = ctypes.c_int64, ctypes.POINTER(ctypes.c_float), ctypes.c_void_p
+_i64, _vp = ctypes.c_int64, ctypes.c_void_p
 
 
 def _find_library() -> tuple[ctypes.CDLL | None, str]:
@@ -45,8 +45,6 @@ _lib, _why = _find_library()
 if _lib is not None:
     _lib.sc_init.argtypes = [ctypes.c_int, ctypes.c_int, _i64]
     _lib.sc_has_avx2.restype = ctypes.c_int
-    _lib.sc_row_bytes.argtypes = [ctypes.c_int, _i64]
-    _lib.sc_row_bytes.restype = _i64
     _lib.sc_linear.argtypes = [ctypes.c_int, _vp, _vp, _vp, _i64, _vp, _i64, _vp, _i64, _vp]
     _lib.sc_linear.restype = ctypes.c_int
     _lib.sc_rms_norm.argtypes = [_vp, _vp, _vp, _i64, _i64, ctypes.c_float]
@@ -90,10 +88,6 @@ def _sync_threads() -> None:
     if n != _state["threads"]:
         _lib.sc_init(n, int(_state["avx2"]), SPIN_NS)
         _state["threads"] = n
-
-
-def row_bytes(qtype: GGMLQuantizationType, n_in: int) -> int:
-    return int(_lib.sc_row_bytes(int(qtype), n_in))
 
 
 class LinearArgs:

@@ -888,8 +888,6 @@ void sc_init(int n_threads, int use_avx2, int64_t spin_ns) {
     pool().set_spin_ns(spin_ns);
 }
 
-int64_t sc_row_bytes(int wtype, int64_t K) { return row_bytes(wtype, K); }
-
 // y[M, ldy] (columns [0, sum n_out)) = x[M, K] times the concatenated weights (n_seg segments of n_out[i] rows,
 // each [n_out[i], row_bytes(wtypes[i], K)] bytes) transposed, plus bias[sum n_out] when given. 0 = done.
 int sc_linear(int n_seg, const int* wtypes, const void* const* weights, const int64_t* n_out, int64_t K,
@@ -898,13 +896,14 @@ int sc_linear(int n_seg, const int* wtypes, const void* const* weights, const in
     static thread_local ActBuffers bufs[4];
     ActRows acts[4];
     bool have[4] = {false, false, false, false};
-    int64_t col0[9];
+    int64_t col0[9], seg_bytes[8];  // first output column and bytes per weight row of each segment
     col0[0] = 0;
     for (int i = 0; i < n_seg; i++) {
         const int kind = act_of(wtypes[i]);
         if (kind < 0 || K % block_size(wtypes[i]) != 0 || K % 32 != 0) return 2;
         if (!have[kind]) { acts[kind] = quantize_rows(kind, x, M, K, bufs[kind]); have[kind] = true; }
         col0[i + 1] = col0[i] + n_out[i];
+        seg_bytes[i] = row_bytes(wtypes[i], K);
     }
     const int64_t N = col0[n_seg];
     // chunks of weight rows: enough of them to balance the threads, each long enough to amortize the hand-out
@@ -921,7 +920,7 @@ int sc_linear(int n_seg, const int* wtypes, const void* const* weights, const in
             for (int64_t n = n0; n < n1; n++) {
                 while (n >= col0[seg + 1]) seg++;
                 const int wt = wtypes[seg];
-                const uint8_t* wrow = (const uint8_t*)weights[seg] + (n - col0[seg]) * row_bytes(wt, K);
+                const uint8_t* wrow = (const uint8_t*)weights[seg] + (n - col0[seg]) * seg_bytes[seg];
                 const ActRows& a = acts[act_of(wt)];
                 const float b = bias ? bias[n] : 0.0f;
                 for (int64_t m = m0; m < m1; m += MAX_R) {
