@@ -41,18 +41,16 @@ def main() -> None:
     """Entry point: one-line errors with exit code 1 (runtime) or 2 (usage); SPEC_CLI_DEBUG=1 shows tracebacks."""
     debug = os.environ.get("SPEC_CLI_DEBUG") == "1"
     try:
-        app(standalone_mode=False)
+        # without standalone mode click returns the code of a `typer.Exit` (and 130 for ^C) instead of exiting,
+        # and a command's own return value (None) otherwise
+        code = app(standalone_mode=False)
     except SpecCliError as e:
         if debug:
             raise
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except typer.Exit as e:
-        sys.exit(e.exit_code)
     except typer.Abort:
         print("aborted", file=sys.stderr)
-        sys.exit(130)
-    except KeyboardInterrupt:
         sys.exit(130)
     except typer.TyperException as e:  # typer's own click: usage errors format themselves, exit code 2
         if hasattr(e, "show"):
@@ -65,3 +63,4 @@ def main() -> None:
             raise
         print(f"error: {type(e).__name__}: {e} (set SPEC_CLI_DEBUG=1 for the traceback)", file=sys.stderr)
         sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
