@@ -7,6 +7,7 @@ import pytest
 
 from spec_cli.bench.params import (
     BenchParams,
+    chain_types,
     from_flags,
     instances,
     parse_flash_attn,
@@ -16,6 +17,7 @@ from spec_cli.bench.params import (
     parse_values,
 )
 from spec_cli.errors import UsageError
+from spec_cli.speculative.chain import parse_spec_types
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -58,11 +60,21 @@ def test_pairs_flash_attn_and_spec_chains():
     assert parse_flash_attn(["on,off", "auto"]) == [1, 0, -1]
     with pytest.raises(UsageError):
         parse_flash_attn(["maybe"])
-    # comma = next sweep value, + = one chain in llama.cpp's priority order, aliases resolved, none dropped
-    assert parse_spec_chains(["draft+ngram-mod,ngram-simple", "none,ngram-simple"]) == [
-        "ngram-mod+draft-simple", "ngram-simple"]
     with pytest.raises(UsageError):
         parse_spec_chains(["ngram-nope"])
+
+
+def test_spec_type_string_is_one_chain_as_in_every_command():
+    # `--spec-type ngram-mod,mtp` is the chain ngram-mod then mtp in run/server/speculative-simple: in bench too
+    assert parse_spec_chains(["ngram-mod,mtp"]) == [",".join(parse_spec_types("ngram-mod,mtp"))] == [
+        "ngram-mod,draft-mtp"]
+    assert chain_types(from_flags({"spec_type": ["ngram-mod,mtp"]}).spec_type[0]) == ["ngram-mod", "draft-mtp"]
+    # sweep values: ';' or the flag repeated; llama.cpp's priority order in each chain, aliases resolved, none and
+    # repeats dropped
+    assert parse_spec_chains(["draft,ngram-mod;ngram-simple", "none;ngram-simple", "ngram-mod,draft"]) == [
+        "ngram-mod,draft-simple", "ngram-simple"]
+    with pytest.raises(UsageError, match="join a chain with ','"):  # the old '+' syntax says what replaced it
+        parse_spec_chains(["ngram-mod+draft-simple"])
 
 
 def _shape(inst):

@@ -8,8 +8,11 @@ inside it come the tests: pp per n_prompt, tg per n_gen, pg per pair, then the v
 
 Speculative tests (prompt sets through the shared generator) run once per engine instance, not per depth: for each
 prompt set, temperature and generation length, first the plain run, then every speculative case in the order
-spec type, draft model, draft max, draft min, draft p-min, verify mode. In `--spec-type` a comma separates sweep
-values and `+` joins drafters into one chain (`ngram-mod+draft-simple`).
+spec type, draft model, draft max, draft min, draft p-min, verify mode.
+
+`--spec-type` means what it means in every other command: a comma list is ONE chain (`ngram-mod,draft-simple`).
+Sweep values of it are separated by `;` or given by repeating the flag: llama-bench's convention for values that
+contain commas themselves (its `-ot` separates instances by `;`), and its convention that a repeated flag adds values.
 """
 
 from __future__ import annotations
@@ -118,15 +121,24 @@ def parse_flash_attn(values: list[str] | None) -> list[int]:
 
 
 def parse_spec_chains(values: list[str] | None) -> list[str]:
-    """Sweep values of --spec-type: comma = another value, `+` = one chain; canonical names joined by '+'.
-    `none` is the plain run, which every speculative sweep includes anyway, so it is dropped here."""
+    """Sweep values of --spec-type: `;` or a repeated flag = another value, each a chain as everywhere else (comma
+    list); canonical names in priority order, joined by ','. `none` is the plain run, which every speculative sweep
+    includes anyway, so it is dropped here."""
     chains: list[str] = []
-    for item in parse_str_list(values, []):
-        names = parse_spec_types(item.replace("+", ","))
-        chain = "+".join(names)
-        if chain and chain not in chains:
-            chains.append(chain)
+    for value in values or []:
+        for item in value.split(";"):
+            if "+" in item:  # the syntax of earlier versions, where a comma started the next sweep value
+                raise UsageError(f"--spec-type '{item}': join a chain with ',' (ngram-mod,draft-simple) and separate "
+                                 "sweep values with ';' or a repeated --spec-type")
+            chain = ",".join(parse_spec_types(item))
+            if chain and chain not in chains:
+                chains.append(chain)
     return chains
+
+
+def chain_types(chain: str) -> list[str]:
+    """The drafter names of one sweep value of --spec-type ("none" = the plain run: no drafter)."""
+    return [] if chain == "none" else chain.split(",")
 
 
 @dataclass
@@ -146,7 +158,7 @@ class BenchParams:
     flash_attn: list[int] = field(default_factory=lambda: [-1])  # recorded only: torch SDPA picks its kernel
     dtype: list[str] = field(default_factory=lambda: ["auto"])
     # speculative sweep
-    spec_type: list[str] = field(default_factory=list)  # chains, canonical names joined by '+'
+    spec_type: list[str] = field(default_factory=list)  # chains, canonical names joined by ','
     model_draft: list[str] = field(default_factory=list)
     draft_max: list[int | str] = field(default_factory=lambda: [16])  # ints and/or "auto"
     draft_min: list[int] = field(default_factory=lambda: [0])
@@ -186,7 +198,7 @@ class BenchParams:
             raise UsageError("-r must be at least 1")
         if self.verify_cost < 0:
             raise UsageError("--verify-cost must be >= 0")
-        if any("draft-simple" in c.split("+") for c in self.spec_type) and not self.model_draft:
+        if any("draft-simple" in chain_types(c) for c in self.spec_type) and not self.model_draft:
             raise UsageError("--spec-type draft-simple needs a draft model (-md FILE|NAME)")
         if self.speculative and not any(self.n_gen):
             raise UsageError("speculative tests need -n > 0 (tokens generated per prompt)")
@@ -262,7 +274,7 @@ def _spec_tests(p: BenchParams) -> list[Test]:
         cases = itertools.product(*(getattr(p, f) or [""] for f in SPEC_FIELDS)) if p.spec_type else []
         for case in cases:
             values = dict(zip(SPEC_FIELDS, case))
-            if "draft-simple" not in values["spec_type"].split("+"):
+            if "draft-simple" not in chain_types(values["spec_type"]):
                 values["model_draft"] = ""  # the draft model only matters to draft-simple: no duplicate runs
             key = tuple(values.values())
             if key not in seen:

@@ -42,7 +42,7 @@ import torch
 import spec_cli
 from spec_cli.batch import Batch
 from spec_cli.bench import Result, row_label
-from spec_cli.bench.params import BenchParams, Instance, Test, instances
+from spec_cli.bench.params import BenchParams, Instance, Test, chain_types, instances
 from spec_cli.bench.prompts import PromptSet, load_prompt_set, render_tokens
 from spec_cli.bench.verify_cost import curve
 from spec_cli.context import Context
@@ -186,7 +186,7 @@ def run_bench(params: BenchParams, on_test: Callable[[int, int, str], None] | No
             if t.kind == "verify":
                 rows += run_verify(model, inst, head, params)
             elif t.kind == "spec":
-                draft = models.draft(t.model_draft, inst) if "draft-simple" in t.spec_type.split("+") else None
+                draft = models.draft(t.model_draft, inst) if "draft-simple" in chain_types(t.spec_type) else None
                 rows.append(run_spec(model, draft, inst, head, params, prompt_sets[t.prompt_set], log))
             else:
                 rows.append(run_random(model, inst, head, params))
@@ -331,7 +331,7 @@ class _Tally:
 def run_spec(model: BenchModel, draft: BenchModel | None, inst: Instance, head: dict, params: BenchParams,
              prompt_set: PromptSet, log: Log) -> Result:
     t = inst.test
-    types = [] if t.spec_type == "none" else t.spec_type.split("+")
+    types = chain_types(t.spec_type)
     prompts = [render_tokens(p, model.tokenizer) for p in prompt_set.prompts]
     draft_max, adaptive = draft_bound(t.draft_max)
     n_ctx = max(len(p) for p in prompts) + t.n_gen + draft_max + 2

@@ -1,14 +1,15 @@
 """`spec-cli bench` ~ llama-bench, plus speculative sweeps, the verify-cost curve, a baseline gate and plots.
 
 Every numeric parameter takes comma lists, repeats and ranges (`-p 1-32+4`, `--draft-max 1-16*2`); the grid is
-their Cartesian product in llama-bench's order. Results go to stdout in the chosen format only; progress,
-verbose lines and the baseline comparison go to stderr.
+their Cartesian product in llama-bench's order. `--spec-type` is the exception: a comma list is one chain, as in
+every other command, and sweep values are separated by `;` or given by repeating the flag. Results go to stdout in
+the chosen format only; progress, verbose lines and the baseline comparison go to stderr.
 
 Examples:
   spec-cli bench -m qwen2.5-coder-0.5b,qwen2.5-coder-1.5b -p 512 -n 128
   spec-cli bench -m qwen2.5-coder-1.5b --verify-cost 16 -d 0,512 -r 3
-  spec-cli bench -m qwen2.5-coder-1.5b -md qwen2.5-coder-0.5b --spec-type ngram-simple,ngram-mod,draft-simple \\
-      --draft-max 1-16*2,auto --prompt-set code-edit -n 64 -r 2 --plot sweep.png
+  spec-cli bench -m qwen2.5-coder-1.5b -md qwen2.5-coder-0.5b --spec-type 'ngram-simple;ngram-mod;draft-simple' \\
+      --spec-type ngram-mod,draft-simple --draft-max 1-16*2,auto --prompt-set code-edit -n 64 -r 2 --plot sweep.png
   spec-cli bench -o jsonl --baseline main.jsonl --max-regression 10     # CI gate: exit 1 on a real slowdown
 """
 
@@ -49,8 +50,8 @@ def bench(
     flash_attn: _L = _engine("-fa", "--flash-attn", help="on | off | auto: recorded only, torch SDPA picks its kernel "
                              "(default: auto)"),
     dtype: _L = _engine("--dtype", help="auto (bf16 on CUDA, f32 on CPU) | f32 | bf16 | f16 (default: auto)"),
-    spec_type: _L = _spec("--spec-type", help="drafters to sweep; a comma starts the next value, + joins one chain "
-                          "(ngram-mod+draft-simple)"),
+    spec_type: _L = _spec("--spec-type", help="drafter chains to sweep: a comma list is one chain as in every "
+                          "command (ngram-mod,draft-simple); ';' or a repeated flag starts the next value"),
     model_draft: _L = _spec("-md", "--model-draft", help="draft models (alone: sweeps draft-simple)"),
     draft_max: _L = _spec("--draft-max", help="max draft tokens, or auto: the adaptive draft length (default: 16)"),
     draft_min: _L = _spec("--draft-min", help="min draft tokens (default: 0)"),
