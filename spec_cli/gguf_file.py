@@ -161,13 +161,39 @@ class GGUFFile:
             n_el = int(np.prod(dims)) if dims else 1
             if dims[0] % block:
                 raise SpecCliError(f"{self.path.name}: tensor {name} row of {dims[0]} is not a multiple of {block}")
-            info = TensorInfo(name, qt, tuple(reversed(dims)), data_start + offset, n_el // block * type_size)
-            if info.offset + info.n_bytes > len(self._mm):
-                raise SpecCliError(
-                    f"{self.path.name}: truncated file (tensor {name} ends at byte {info.offset + info.n_bytes}, "
-                    f"file has {len(self._mm)})"
-                )
-            self.tensors[name] = info
+            if name in self.tensors:
+                raise SpecCliError(f"{self.path.name}: tensor {name} appears twice in the header")
+            self.tensors[name] = TensorInfo(name, qt, tuple(reversed(dims)), data_start + offset,
+                                            n_el // block * type_size)
+        self._check_layout(data_start, alignment)
+
+    def _check_layout(self, data_start: int, alignment: int) -> None:
+        """Each tensor's size (from its type and shape) must fill the space up to the next one: llama.cpp's rule
+        (gguf.cpp) that tensor data lies back to back in header order, each padded to the alignment, and that the
+        file ends with the last one. A shape or type that disagrees with the data is caught here, before any
+        tensor is read, instead of when the loader reaches it."""
+        pos, prev = data_start, None
+        for info in self.tensors.values():
+            if info.offset != pos:
+                if prev is None:
+                    where = f"the first tensor {info.name} starts {info.offset - data_start} bytes into the data"
+                else:
+                    where = (f"tensor {prev.name} ({prev.qtype.name}, shape {prev.shape}) takes {pos - prev.offset} "
+                             f"bytes but {info.name} starts {info.offset - prev.offset} bytes after it")
+                raise SpecCliError(f"{self.path.name}: {where}: a tensor's shape, type or offset in the header is "
+                                   "wrong")
+            pos = info.offset + -(-info.n_bytes // alignment) * alignment
+            prev = info
+        if prev is None:
+            return
+        end, size = prev.offset + prev.n_bytes, len(self._mm)
+        if end > size:
+            raise SpecCliError(f"{self.path.name}: truncated file (tensor {prev.name} ends at byte {end}, "
+                               f"file has {size})")
+        if size > pos:
+            raise SpecCliError(f"{self.path.name}: the last tensor {prev.name} ({prev.qtype.name}, shape "
+                               f"{prev.shape}) ends at byte {end} but the file has {size}: its shape or type in the "
+                               "header is wrong")
 
     # --- access --------------------------------------------------------------------------------------------
 

@@ -55,6 +55,29 @@ def test_truncated_gguf(capsys, monkeypatch, tmp_path, tiny_model_path):
     assert_one_line_error(*cli(capsys, monkeypatch, "run", "-m", str(cut), "-p", "hi")[::2], 1, "truncated")
 
 
+def shrink_tensor(src, dst, name: str) -> None:
+    """A copy of a GGUF whose header gives tensor `name` one row fewer (ne1 - 1) than its data holds."""
+    data = bytearray(src.read_bytes())
+    key = struct.pack("<Q", len(name)) + name.encode()
+    at = data.index(key) + len(key) + 4 + 8  # past the name, n_dims (u32) and ne0 (u64)
+    (ne1,) = struct.unpack_from("<Q", data, at)
+    struct.pack_into("<Q", data, at, ne1 - 1)
+    dst.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_tensor_shape_that_disagrees_with_its_data(capsys, monkeypatch, tmp_path, tiny_model_path, last):
+    from spec_cli.gguf_file import GGUFFile
+
+    name = list(GGUFFile(tiny_model_path).tensors)[-1] if last else "blk.0.attn_q.weight"
+    shrunk = tmp_path / "shrunk.gguf"
+    shrink_tensor(tiny_model_path, shrunk, name)
+    # the header check names the file and the tensor, before any tensor data is read
+    needle = f"the last tensor {name} (F32, shape" if last else f"tensor {name} (F32, shape (63, 64)) takes"
+    assert_one_line_error(*cli(capsys, monkeypatch, "run", "-m", str(shrunk), "-p", "hi")[::2], 1, "shrunk.gguf",
+                          needle, "header is wrong")
+
+
 def test_unknown_architecture(capsys, monkeypatch, tmp_path):
     path = tmp_path / "mamba.gguf"
     w = GGUFWriter(str(path), "mamba")
