@@ -84,6 +84,7 @@ def verify_cost_cache() -> Path:
 
 
 def build_engine(opts: EngineOptions) -> Engine:
+    """Load the models the options name, then assemble the engine around them."""
     if opts.threads:
         if opts.threads < 1:
             raise UsageError("--threads must be at least 1")
@@ -91,18 +92,27 @@ def build_engine(opts: EngineOptions) -> Engine:
     spec = opts.spec
     if opts.model_draft and "draft-simple" not in spec.types:
         spec.types = [t for t in spec.types] + ["draft-simple"]  # -md alone enables draft-simple (#25345)
+    if "draft-simple" in spec.types and not opts.model_draft:
+        raise UsageError("--spec-type draft-simple needs a draft model (-md FILE|NAME)")
     target = load_model(resolve(opts.model), opts.device, opts.n_gpu_layers, opts.dtype)
     tokenizer = Tokenizer.from_metadata(target.gguf.metadata)
-    n_ctx = opts.n_ctx if opts.n_ctx > 0 else target.config.n_ctx_train
-    ctx = Context(target, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
-    draft = draft_ctx = None
+    draft = None
     if "draft-simple" in spec.types:
-        if not opts.model_draft:
-            raise UsageError("--spec-type draft-simple needs a draft model (-md FILE|NAME)")
         draft = load_model(resolve(opts.model_draft), opts.device_draft or opts.device, opts.n_gpu_layers_draft,
                            opts.dtype)
         check_vocab_compatible(tokenizer, Tokenizer.from_metadata(draft.gguf.metadata))
-        draft_ctx = Context(draft, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)  # same n_ctx as the target (#22554)
+    return assemble_engine(opts, target, tokenizer, draft)
+
+
+def assemble_engine(opts: EngineOptions, target: LoadedModel, tokenizer: Tokenizer,
+                    draft: LoadedModel | None) -> Engine:
+    """Contexts, the MTP head and the drafter chain around loaded models (`draft` when the types hold
+    draft-simple). Separate from loading because bench keeps its models loaded across tests."""
+    spec = opts.spec
+    n_ctx = opts.n_ctx if opts.n_ctx > 0 else target.config.n_ctx_train
+    ctx = Context(target, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
+    # the draft context has the target's n_ctx (a smaller one crashed llama.cpp, #22554)
+    draft_ctx = Context(draft, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch) if draft else None
     engine = Engine(target, tokenizer, ctx, None, spec, draft, draft_ctx, costs=CostModel(verify_cost_cache()))
     if "draft-mtp" in spec.types:
         head = load_mtp_head(target)

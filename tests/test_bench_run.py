@@ -10,7 +10,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from spec_cli.bench.params import BenchParams
+from spec_cli.bench.params import BenchParams, parse_spec_chains
 from spec_cli.bench.prompts import BUILTIN_SETS, load_prompt_set, render_tokens
 from spec_cli.bench.runner import run_bench
 from spec_cli.bench.verify_cost import break_even_acceptance, expected_length
@@ -19,6 +19,7 @@ from spec_cli.context import Context
 from spec_cli.errors import SpecCliError, UsageError
 from spec_cli.gguf_file import GGUFFile
 from spec_cli.tokenizer import Tokenizer
+from tests.tiny_mtp import write_tiny_mtp_gguf
 
 
 @pytest.fixture
@@ -149,6 +150,21 @@ def test_cold_repetitions_start_from_scratch(tiny_model_path, tiny_draft_path, p
     one, two = counts(1), counts(2)
     assert two[:3] == tuple(2 * x for x in one[:3])  # pooled over two identical cold repetitions
     assert counts(1, warm=True)[3] is True
+
+
+def test_mtp_and_chains_build_their_engine_like_every_command(tmp_path, prompt_file):
+    """bench assembles its engine the way build_engine does: draft-mtp gets the model's NextN head (it used to
+    fail on a missing MTP context), and a chain (comma list) runs as one drafter chain."""
+    mtp = write_tiny_mtp_gguf(tmp_path / "tiny-mtp.gguf")
+    rows = run_bench(tiny(mtp, random_tests=False, spec_type=parse_spec_chains(["mtp;ngram-simple,mtp"]),
+                          draft_max=[2], draft_p_min=[0.0], prompt_sets=[str(prompt_file)], n_gen=[8], repetitions=1))
+    assert [r.spec["spec_type"] for r in rows] == ["none", "draft-mtp", "ngram-simple,draft-mtp"]
+    assert rows[1].spec["n_drafted"] > 0
+    generated = {round(ts * ns / 1e9) for r in rows for ts, ns in zip(r.samples_ts, r.samples_ns)}
+    assert len(generated) == 1  # lossless
+    with pytest.raises(SpecCliError, match="MTP"):  # a model without a head: one clear error
+        run_bench(tiny(tmp_path / "tiny-mtp-base.gguf", random_tests=False, spec_type=["draft-mtp"],
+                       prompt_sets=[str(prompt_file)], n_gen=[4], repetitions=1))
 
 
 def test_plain_only_prompt_set_run(tiny_model_path, prompt_file):

@@ -46,7 +46,7 @@ from spec_cli.bench.params import BenchParams, Instance, Test, chain_types, inst
 from spec_cli.bench.prompts import PromptSet, load_prompt_set, render_tokens
 from spec_cli.bench.verify_cost import curve
 from spec_cli.context import Context
-from spec_cli.engine import Engine, build_chain, resolve
+from spec_cli.engine import Engine, EngineOptions, assemble_engine, build_chain, resolve
 from spec_cli.errors import SpecCliError
 from spec_cli.loader import LoadedModel, load_model
 from spec_cli.sampling import SamplingParams
@@ -334,27 +334,25 @@ def run_spec(model: BenchModel, draft: BenchModel | None, inst: Instance, head: 
     types = chain_types(t.spec_type)
     prompts = [render_tokens(p, model.tokenizer) for p in prompt_set.prompts]
     draft_max, adaptive = draft_bound(t.draft_max)
-    n_ctx = max(len(p) for p in prompts) + t.n_gen + draft_max + 2
-    ctx = Context(model.loaded, n_ctx, 1, inst.n_batch, inst.n_ubatch)
-    draft_ctx = Context(draft.loaded, n_ctx, 1, inst.n_batch, inst.n_ubatch) if draft else None
     spec = SpecParams(types=types, draft_max=draft_max, adaptive=adaptive, draft_min=t.draft_min,
                       draft_p_min=t.draft_p_min, verify=t.spec_verify)
-    engine = Engine(model.loaded, model.tokenizer, ctx, None, spec, draft.loaded if draft else None, draft_ctx)
+    opts = EngineOptions(n_ctx=max(len(p) for p in prompts) + t.n_gen + draft_max + 2, n_batch=inst.n_batch,
+                         n_ubatch=inst.n_ubatch, spec=spec)
+    engine = assemble_engine(opts, model.loaded, model.tokenizer, draft.loaded if draft else None)
     sampling = SamplingParams(temp=t.temp, seed=SEED)
     sampling.validate()
     sync = _sync_for(model)
-    fresh = True
+    used = False  # whether the engine's caches and drafters have seen tokens
     if params.warmup:
-        engine.chain = build_chain(engine)
         _generate(engine, prompts[0], sampling, min(WARMUP_TOKENS, t.n_gen), sync, _Tally())
-        fresh = not params.warm
+        used = True
     row = Result(**{**head, "n_prompt": sum(len(p) for p in prompts)})
     tally = _Tally()
     for rep in range(params.repetitions):
-        if fresh or not params.warm:
+        if used and not params.warm:
             engine.reset()
             engine.chain = build_chain(engine)
-            fresh = False
+        used = True
         ns_before, tokens_before = tally.gen_ns, tally.n_tokens
         for tokens in prompts:
             _generate(engine, tokens, sampling, t.n_gen, sync, tally)
