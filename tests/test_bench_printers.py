@@ -158,11 +158,11 @@ def test_json_and_jsonl_carry_typed_values_and_samples():
 def test_sql():
     sql = format_sql(dicts(PP))
     head, insert = sql.split(");\n\n")
-    assert head.splitlines()[:3] == ["CREATE TABLE IF NOT EXISTS spec_bench (", "  build_commit TEXT,",
+    assert head.splitlines()[:3] == ["CREATE TABLE IF NOT EXISTS llama_bench (", "  build_commit TEXT,",
                                      "  build_version TEXT,"]
     assert "  model_size INTEGER,\n" in head and "  avg_ts REAL,\n" in head and head.endswith("  stddev_ts REAL\n")
     assert insert == (
-        "INSERT INTO spec_bench (build_commit, build_version, torch_version, cpu_info, gpu_info, backends, device, "
+        "INSERT INTO llama_bench (build_commit, build_version, torch_version, cpu_info, gpu_info, backends, device, "
         "dtype, model_filename, model_type, model_size, model_n_params, n_batch, n_ubatch, n_threads, n_gpu_layers, "
         "flash_attn, devices, test, n_prompt, n_gen, n_depth, test_time, avg_ns, stddev_ns, avg_ts, stddev_ts) VALUES "
         "('abc1234', '0.1.0', '2.13.0', 'Test CPU', '', 'CPU', 'cpu', 'f32', '/models/qwen.gguf', "

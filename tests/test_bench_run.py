@@ -10,7 +10,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from spec_cli.bench.params import BenchParams, parse_spec_chains
+from spec_cli.bench import runner as runner_module
+from spec_cli.bench.params import BenchParams, from_flags, parse_spec_chains
+from spec_cli.bench.printers import format_md
 from spec_cli.bench.prompts import BUILTIN_SETS, load_prompt_set, render_tokens
 from spec_cli.bench.runner import run_bench
 from spec_cli.bench.verify_cost import break_even_acceptance, expected_length
@@ -165,6 +167,32 @@ def test_mtp_and_chains_build_their_engine_like_every_command(tmp_path, prompt_f
     with pytest.raises(SpecCliError, match="MTP"):  # a model without a head: one clear error
         run_bench(tiny(tmp_path / "tiny-mtp-base.gguf", random_tests=False, spec_type=["draft-mtp"],
                        prompt_sets=[str(prompt_file)], n_gen=[4], repetitions=1))
+
+
+def test_drafter_settings_sweep_like_the_other_commands_flags(tiny_model_path, tiny_draft_path, prompt_file,
+                                                              monkeypatch):
+    """--spec-ngram-*, -ngld and -devd: swept, handed to the drafters, recorded only on rows whose chain reads them."""
+    built = []
+    original = runner_module.assemble_engine
+    monkeypatch.setattr(runner_module, "assemble_engine", lambda opts, *a: built.append(opts.spec) or original(opts, *a))
+    params = from_flags({"model": [str(tiny_model_path)], "devices": ["cpu"], "spec_type": ["ngram-simple;ngram-mod",
+                         "draft-simple"], "model_draft": [str(tiny_draft_path)], "ngram_mod_n_match": ["8,16"],
+                         "ngram_simple_size_n": ["2"], "n_gpu_layers_draft": ["0"], "device_draft": ["none"],
+                         "prompt_set": [str(prompt_file)], "n_gen": ["4"], "repetitions": 1})
+    rows = [r.to_dict() for r in run_bench(params)]
+    got = [(r["spec_type"], r["ngram_simple_size_n"], r["ngram_mod_n_match"], r["ngram_mod_n_min"], r["model_draft"],
+            r["n_gpu_layers_draft"], r["devices_draft"]) for r in rows]
+    draft = str(tiny_draft_path)
+    assert got == [("none", None, None, None, "", -1, ""), ("ngram-simple", 2, None, None, "", -1, ""),
+                   ("ngram-mod", None, 8, 48, "", -1, ""), ("ngram-mod", None, 16, 48, "", -1, ""),
+                   ("draft-simple", None, None, None, draft, 0, "none")]
+    assert [(s.ngram_simple_size_n, s.ngram_mod_n_match) for s in built] == [(12, 24), (2, 24), (12, 8), (12, 16),
+                                                                              (12, 24)]
+    header, _, *cells = format_md(rows).split("\n\n")[0].splitlines()
+    cols = [c.strip() for c in header.split("|")[1:-1]]
+    assert {"ngram_simple_size_n", "ngram_mod_n_match", "ngld", "devd"} <= set(cols)
+    assert "ngram_mod_n_min" not in cols  # one value, the default: hidden as llama-bench hides it
+    assert [c.split("|")[1 + cols.index("ngram_mod_n_match")].strip() for c in cells] == ["-", "-", "8", "16", "-"]
 
 
 def test_plain_only_prompt_set_run(tiny_model_path, prompt_file):

@@ -30,6 +30,9 @@ def cli(capsys, monkeypatch, *args: str) -> tuple[int, str, str]:
     ("speculative-simple", ["-md", "-ngld", "-devd", "-cd", "-td", "--draft-max", "--spec-draft-n-max", "--draft-min",
                             "--draft-p-min", "--spec-verify", "--spec-ngram-mod-n-match", "-lcs", "-lcd", "--color",
                             "--log-format", "--json"]),
+    # bench sweeps the drafter flags the other commands have; its --dtype help is theirs (q on the CPU)
+    ("bench", ["-ngld", "-devd", "--spec-ngram-simple-size-n", "--spec-ngram-map-k4v-min-hits",
+               "--spec-ngram-mod-n-match", "--dtype", "auto (q on the CPU, bf16 on CUDA)"]),
 ])
 def test_help_lists_llamacpp_flags(capsys, monkeypatch, command, flags):
     monkeypatch.setenv("COLUMNS", "200")

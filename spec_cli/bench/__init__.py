@@ -14,25 +14,31 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, field
 
+from spec_cli.speculative.base import SpecParams
+
 BUILD_FIELDS = ("build_commit", "build_version", "torch_version", "cpu_info", "gpu_info", "backends")
 RUN_FIELDS = ("device", "dtype")
 MODEL_FIELDS = ("model_filename", "model_type", "model_size", "model_n_params")
 PARAM_FIELDS = ("n_batch", "n_ubatch", "n_threads", "n_gpu_layers", "flash_attn", "devices")
 SHAPE_FIELDS = ("test", "n_prompt", "n_gen", "n_depth")
-SPEC_FIELDS = ("prompt_set", "n_prompts", "temp", "spec_type", "model_draft", "draft_max", "draft_min", "draft_p_min",
-               "spec_verify", "warm", "n_drafted", "n_accepted", "n_steps", "acceptance", "mean_acc_len",
-               "tokens_per_step", "acc_per_pos", "prompt_ns", "draft_ms", "verify_ms", "speedup")
+# the n-gram drafters' own settings (SpecParams' ngram_* fields, llama.cpp's --spec-ngram-* flags), each read by the
+# drafter it is named after: empty on rows whose chain lacks that drafter
+NGRAM_FIELDS = tuple(f for f in SpecParams.__dataclass_fields__ if f.startswith("ngram_"))
+CASE_FIELDS = ("temp", "spec_type", "model_draft", "n_gpu_layers_draft", "devices_draft", "draft_max", "draft_min",
+               "draft_p_min", "spec_verify") + NGRAM_FIELDS + ("warm",)
+SPEC_FIELDS = ("prompt_set", "n_prompts") + CASE_FIELDS + (
+    "n_drafted", "n_accepted", "n_steps", "acceptance", "mean_acc_len", "tokens_per_step", "acc_per_pos", "prompt_ns",
+    "draft_ms", "verify_ms", "speedup")
 VERIFY_FIELDS = ("verify_k", "cost_ratio", "break_even_len", "break_even_acc")
 RESULT_FIELDS = ("test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts")
 
 # fields that identify a test across runs (compare matches rows on these)
-KEY_FIELDS = ("model_filename", "backends", "dtype") + PARAM_FIELDS[:-1] + SHAPE_FIELDS + (
-    "prompt_set", "temp", "spec_type", "model_draft", "draft_max", "draft_min", "draft_p_min", "spec_verify", "warm",
-    "verify_k")
+KEY_FIELDS = (("model_filename", "backends", "dtype") + PARAM_FIELDS[:-1] + SHAPE_FIELDS + ("prompt_set",) + CASE_FIELDS
+              + ("verify_k",))
 
 INT_FIELDS = {"model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads", "n_gpu_layers", "flash_attn",
-              "n_prompt", "n_gen", "n_depth", "n_prompts", "draft_max", "draft_min", "n_drafted", "n_accepted",
-              "n_steps", "prompt_ns", "verify_k", "avg_ns", "stddev_ns"}
+              "n_prompt", "n_gen", "n_depth", "n_prompts", "n_gpu_layers_draft", "draft_max", "draft_min", "n_drafted",
+              "n_accepted", "n_steps", "prompt_ns", "verify_k", "avg_ns", "stddev_ns", *NGRAM_FIELDS}
 FLOAT_FIELDS = {"temp", "draft_p_min", "acceptance", "mean_acc_len", "tokens_per_step", "draft_ms", "verify_ms",
                 "speedup", "cost_ratio", "break_even_len", "break_even_acc", "avg_ts", "stddev_ts"}
 BOOL_FIELDS = {"warm"}

@@ -8,7 +8,9 @@ inside it come the tests: pp per n_prompt, tg per n_gen, pg per pair, then the v
 
 Speculative tests (prompt sets through the shared generator) run once per engine instance, not per depth: for each
 prompt set, temperature and generation length, first the plain run, then every speculative case in the order
-spec type, draft model, draft max, draft min, draft p-min, verify mode.
+spec type, draft model (with its -ngld and -devd), draft max, draft min, draft p-min, verify mode, then the
+`--spec-ngram-*` settings of the chain's n-gram drafters. Settings a chain does not read (the draft model's without
+draft-simple, another drafter's n-gram settings) make no extra runs and are left empty in its rows.
 
 `--spec-type` means what it means in every other command: a comma list is ONE chain (`ngram-mod,draft-simple`).
 Sweep values of it are separated by `;` or given by repeating the flag: llama-bench's convention for values that
@@ -21,8 +23,10 @@ import itertools
 import re
 from dataclasses import dataclass, field
 
+from spec_cli.bench import NGRAM_FIELDS
 from spec_cli.errors import UsageError
 from spec_cli.speculative.adaptive import AUTO, parse_draft_max
+from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.chain import parse_spec_types
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+)(?:([+*])(\d+))?)?$")
@@ -32,8 +36,9 @@ VERIFY_MODES = ("auto", "match", "rejection")
 
 # engine parameters, in llama-bench's nesting order (outermost first)
 ENGINE_FIELDS = ("model", "dtype", "n_gpu_layers", "devices", "n_batch", "n_ubatch", "flash_attn", "n_threads")
-# speculative case parameters, outermost first
-SPEC_FIELDS = ("spec_type", "model_draft", "draft_max", "draft_min", "draft_p_min", "spec_verify")
+# speculative case parameters, outermost first; the draft model's are read by draft-simple only
+DRAFT_MODEL_FIELDS = ("model_draft", "n_gpu_layers_draft", "devices_draft")
+SPEC_FIELDS = ("spec_type",) + DRAFT_MODEL_FIELDS + ("draft_max", "draft_min", "draft_p_min", "spec_verify")
 
 
 def parse_values(text: str) -> list[int]:
@@ -160,10 +165,13 @@ class BenchParams:
     # speculative sweep
     spec_type: list[str] = field(default_factory=list)  # chains, canonical names joined by ','
     model_draft: list[str] = field(default_factory=list)
+    n_gpu_layers_draft: list[int] = field(default_factory=lambda: [-1])
+    devices_draft: list[str] = field(default_factory=lambda: [""])  # "" = the target's device
     draft_max: list[int | str] = field(default_factory=lambda: [16])  # ints and/or "auto"
-    draft_min: list[int] = field(default_factory=lambda: [0])
-    draft_p_min: list[float] = field(default_factory=lambda: [0.75])
+    draft_min: list[int] = field(default_factory=lambda: [SpecParams.draft_min])
+    draft_p_min: list[float] = field(default_factory=lambda: [SpecParams.draft_p_min])
     spec_verify: list[str] = field(default_factory=lambda: ["auto"])
+    ngram: dict[str, list[int]] = field(default_factory=lambda: {f: [getattr(SpecParams, f)] for f in NGRAM_FIELDS})
     temp: list[float] = field(default_factory=lambda: [0.0])  # greedy by default: reproducible, lossless speculation
     prompt_sets: list[str] = field(default_factory=list)  # built-in set names or .jsonl paths
     # which test kinds run
@@ -217,10 +225,13 @@ class Test:
     temp: float = 0.0
     spec_type: str = "none"  # "none" = the plain run of the prompt set
     model_draft: str = ""
+    n_gpu_layers_draft: int = -1
+    devices_draft: str = ""
     draft_max: int | str = 0  # or "auto"
     draft_min: int = 0
     draft_p_min: float = 0.0
     spec_verify: str = "auto"
+    ngram: tuple[tuple[str, int], ...] = ()  # (NGRAM_FIELDS name, value) of the chain's n-gram drafters only
 
 
 @dataclass(frozen=True)
@@ -274,12 +285,16 @@ def _spec_tests(p: BenchParams) -> list[Test]:
         cases = itertools.product(*(getattr(p, f) or [""] for f in SPEC_FIELDS)) if p.spec_type else []
         for case in cases:
             values = dict(zip(SPEC_FIELDS, case))
-            if "draft-simple" not in chain_types(values["spec_type"]):
-                values["model_draft"] = ""  # the draft model only matters to draft-simple: no duplicate runs
-            key = tuple(values.values())
-            if key not in seen:
-                seen.add(key)
-                tests.append(Test("spec", n_gen=n_gen, prompt_set=prompt_set, temp=temp, **values))
+            types = chain_types(values["spec_type"])
+            if "draft-simple" not in types:  # settings a chain does not read make no duplicate runs
+                values.update({f: Test.__dataclass_fields__[f].default for f in DRAFT_MODEL_FIELDS})
+            ngram = [f for f in NGRAM_FIELDS if f.startswith(tuple(t.replace("-", "_") + "_" for t in types))]
+            for ngram_case in itertools.product(*(p.ngram[f] for f in ngram)):
+                test = Test("spec", n_gen=n_gen, prompt_set=prompt_set, temp=temp, **values,
+                            ngram=tuple(zip(ngram, ngram_case)))
+                if test not in seen:
+                    seen.add(test)
+                    tests.append(test)
     return tests
 
 
@@ -313,10 +328,14 @@ def from_flags(flags: dict) -> BenchParams:
         dtype=parse_str_list(flags.get("dtype"), d.dtype),
         spec_type=spec_type,
         model_draft=model_draft,
+        n_gpu_layers_draft=parse_int_list(flags.get("n_gpu_layers_draft"), d.n_gpu_layers_draft, "-ngld",
+                                          allow_negative=True),
+        devices_draft=parse_str_list(flags.get("device_draft"), d.devices_draft),
         draft_max=parse_draft_max_list(flags.get("draft_max"), d.draft_max),
         draft_min=parse_int_list(flags.get("draft_min"), d.draft_min, "--draft-min"),
         draft_p_min=parse_float_list(flags.get("draft_p_min"), d.draft_p_min, "--draft-p-min"),
         spec_verify=parse_str_list(flags.get("spec_verify"), d.spec_verify),
+        ngram={f: parse_int_list(flags.get(f), d.ngram[f], "--spec-" + f.replace("_", "-")) for f in NGRAM_FIELDS},
         temp=parse_float_list(flags.get("temp"), d.temp, "--temp"),
         prompt_sets=prompt_sets or (["code-edit"] if spec_type else []),
         random_tests=explicit or not (speculative or verify_cost),

@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import json
 
-from spec_cli.bench import BOOL_FIELDS, FLOAT_FIELDS, INT_FIELDS, LIST_FIELDS, columns, row_label
+from spec_cli.bench import BOOL_FIELDS, FLOAT_FIELDS, INT_FIELDS, LIST_FIELDS, NGRAM_FIELDS, columns, row_label
+from spec_cli.speculative.base import SpecParams
 
-SQL_TABLE = "spec_bench"
+SQL_TABLE = "llama_bench"  # llama-bench's, so that queries written for its tables read ours
 # md: parameter -> (display name, width: negative = left-aligned); defaults decide which columns show
 _MD_PARAMS = {"n_gpu_layers": ("ngl", 3), "n_threads": ("threads", 7), "n_batch": ("n_batch", 7),
-              "n_ubatch": ("n_ubatch", 8), "flash_attn": ("fa", 3), "devices": ("devices", -8)}
+              "n_ubatch": ("n_ubatch", 8), "flash_attn": ("fa", 3), "devices": ("devices", -8),
+              "model_draft": ("model_draft", -12), "n_gpu_layers_draft": ("ngld", 4), "devices_draft": ("devd", -6),
+              "spec_verify": ("spec_verify", -12)}
 _DEFAULTS = {"n_gpu_layers": -1, "n_batch": 2048, "n_ubatch": 512, "flash_attn": -1, "devices": "auto",
-             "draft_min": 0, "draft_p_min": 0.75, "spec_verify": "auto", "temp": 0.0, "warm": False, "model_draft": ""}
+             "temp": 0.0, "warm": False, "model_draft": "", "n_gpu_layers_draft": -1, "devices_draft": "",
+             **{f: getattr(SpecParams, f) for f in ("draft_min", "draft_p_min", *NGRAM_FIELDS)},
+             "spec_verify": "auto"}
 
 
 def format_rows(rows: list[dict], fmt: str) -> str:
@@ -51,11 +56,9 @@ def _md_table(cols: list[tuple[str, int]], cells: list[list[str]]) -> str:
 
 
 def _shown(rows: list[dict], field: str) -> bool:
-    """llama-bench shows a parameter when it has several values or a non-default one."""
-    if not rows:
-        return False
-    values = {json.dumps(r.get(field)) for r in rows}
-    return len(values) > 1 or values != {json.dumps(_DEFAULTS.get(field))}
+    """llama-bench shows a parameter when it has several values or a non-default one (empty = not applicable)."""
+    values = {json.dumps(r[field]) for r in rows if r.get(field) is not None}
+    return bool(values) and (len(values) > 1 or values != {json.dumps(_DEFAULTS.get(field))})
 
 
 def _engine_cols(rows: list[dict]) -> list[str]:
@@ -107,10 +110,10 @@ def _spec_table(rows: list[dict]):
     extra = _engine_cols(rows)
     speculative = [r for r in rows if r["spec_type"] != "none"]  # drafting settings mean nothing on plain rows
     optional = [f for f in ("temp", "warm") if _shown(rows, f)] + [
-        f for f in ("model_draft", "draft_min", "draft_p_min", "spec_verify") if _shown(speculative, f)]
+        f for f in ("model_draft", "n_gpu_layers_draft", "devices_draft", "draft_min", "draft_p_min", "spec_verify",
+                    *NGRAM_FIELDS) if _shown(speculative, f)]
     cols = ([("model", -30), ("backend", -7), ("device", -6), ("dtype", -5)] + [_MD_PARAMS[f] for f in extra]
-            + [("test", -16), ("spec_type", -24)] + [(f, -12 if f in ("model_draft", "spec_verify") else 6)
-                                                     for f in optional]
+            + [("test", -16), ("spec_type", -24)] + [_MD_PARAMS.get(f, (f, max(len(f), 6))) for f in optional]
             + [("draft_max", 9), ("acc %", 6), ("acc len", 7), ("acc/pos", -24), ("t/s", 20), ("speedup", 7)])
     cells = []
     for r in rows:
@@ -126,8 +129,8 @@ def _spec_table(rows: list[dict]):
 
 
 def _md_value(r: dict, f: str, plain: bool) -> str:
-    v = r[f]
-    if plain and f not in ("temp", "warm"):
+    v = r.get(f)
+    if v is None or (plain and f not in ("temp", "warm")):
         return "-"
     if f == "model_draft":
         return v.rsplit("/", 1)[-1] or "-"

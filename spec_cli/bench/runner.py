@@ -42,7 +42,7 @@ import torch
 import spec_cli
 from spec_cli.batch import Batch
 from spec_cli.bench import Result, row_label
-from spec_cli.bench.params import BenchParams, Instance, Test, chain_types, instances
+from spec_cli.bench.params import NGRAM_FIELDS, BenchParams, Instance, Test, chain_types, instances
 from spec_cli.bench.prompts import PromptSet, load_prompt_set, render_tokens
 from spec_cli.bench.verify_cost import curve
 from spec_cli.context import Context
@@ -145,10 +145,11 @@ class Models:
             self.key = inst.engine_key()
         return self.current
 
-    def draft(self, name: str, inst: Instance) -> BenchModel:
-        key = (name, inst.devices, inst.dtype)
+    def draft(self, inst: Instance) -> BenchModel:
+        t = inst.test
+        key = (t.model_draft, t.devices_draft or inst.devices, t.n_gpu_layers_draft, inst.dtype)
         if key not in self.drafts:
-            draft = self._load(name, inst.devices, -1, inst.dtype)
+            draft = self._load(*key)
             check_vocab_compatible(self.target(inst).tokenizer, draft.tokenizer)
             self.drafts[key] = draft
         return self.drafts[key]
@@ -186,7 +187,7 @@ def run_bench(params: BenchParams, on_test: Callable[[int, int, str], None] | No
             if t.kind == "verify":
                 rows += run_verify(model, inst, head, params)
             elif t.kind == "spec":
-                draft = models.draft(t.model_draft, inst) if "draft-simple" in chain_types(t.spec_type) else None
+                draft = models.draft(inst) if "draft-simple" in chain_types(t.spec_type) else None
                 rows.append(run_spec(model, draft, inst, head, params, prompt_sets[t.prompt_set], log))
             else:
                 rows.append(run_random(model, inst, head, params))
@@ -335,7 +336,7 @@ def run_spec(model: BenchModel, draft: BenchModel | None, inst: Instance, head: 
     prompts = [render_tokens(p, model.tokenizer) for p in prompt_set.prompts]
     draft_max, adaptive = draft_bound(t.draft_max)
     spec = SpecParams(types=types, draft_max=draft_max, adaptive=adaptive, draft_min=t.draft_min,
-                      draft_p_min=t.draft_p_min, verify=t.spec_verify)
+                      draft_p_min=t.draft_p_min, verify=t.spec_verify, **dict(t.ngram))
     opts = EngineOptions(n_ctx=max(len(p) for p in prompts) + t.n_gen + draft_max + 2, n_batch=inst.n_batch,
                          n_ubatch=inst.n_ubatch, spec=spec)
     engine = assemble_engine(opts, model.loaded, model.tokenizer, draft.loaded if draft else None)
@@ -395,8 +396,9 @@ def _spec_fields(t: Test, params: BenchParams, set_name: str, n_prompts: int, ta
     st, reps = tally.stats, params.repetitions
     return {
         "prompt_set": set_name, "n_prompts": n_prompts, "temp": t.temp, "spec_type": t.spec_type,
-        "model_draft": t.model_draft, "draft_max": t.draft_max, "draft_min": t.draft_min,
-        "draft_p_min": t.draft_p_min, "spec_verify": t.spec_verify, "warm": params.warm,
+        "model_draft": t.model_draft, "n_gpu_layers_draft": t.n_gpu_layers_draft, "devices_draft": t.devices_draft,
+        "draft_max": t.draft_max, "draft_min": t.draft_min, "draft_p_min": t.draft_p_min,
+        "spec_verify": t.spec_verify, **{f: dict(t.ngram).get(f) for f in NGRAM_FIELDS}, "warm": params.warm,
         "n_drafted": st.n_gen_tokens, "n_accepted": st.n_acc_tokens, "n_steps": tally.n_steps,
         "acceptance": 100.0 * st.acceptance, "mean_acc_len": st.mean_acc_len,
         "tokens_per_step": tally.n_tokens / tally.n_steps if tally.n_steps else 0.0,

@@ -16,11 +16,14 @@ Examples:
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from typing import Optional
 
 import typer
 
+from spec_cli.bench import NGRAM_FIELDS
 from spec_cli.bench.params import OUTPUT_FORMATS, from_flags
+from spec_cli.cli.options import MODEL, SPEC, pick, with_options
 from spec_cli.errors import UsageError
 
 _L = Optional[list[str]]  # repeatable flag whose values are comma lists / ranges
@@ -35,7 +38,17 @@ def _spec(*flags: str, help: str):
     return typer.Option(None, *flags, help=help, metavar="LIST", rich_help_panel=_SPEC)
 
 
+def _sweep(panel: str, group, *names: str):
+    """Options every command has, as bench sweep lists: the same flags and help, the default said in the help."""
+    return panel, [replace(o, annotation=_L, default=None, metavar="LIST",
+                           help=o.help if o.default is None else f"{o.help} (default: {o.default})")
+                   for o in pick(group, *names)[1]]
+
+
+@with_options(_sweep(_ENGINE, MODEL, "dtype"),
+              _sweep(_SPEC, SPEC, "n_gpu_layers_draft", "device_draft", *NGRAM_FIELDS))
 def bench(
+    opts: dict,
     model: _L = _engine("-m", "--model", help="GGUF files or models.toml names (default: the default model)"),
     n_prompt: _L = _engine("-p", "--n-prompt", help="pp test prompt lengths (default: 512)"),
     n_gen: _L = _engine("-n", "--n-gen", help="tg test lengths; in a speculative sweep, tokens generated per prompt "
@@ -49,7 +62,6 @@ def bench(
     devices: _L = _engine("-dev", "--device", help="auto | cpu | cuda | cuda:N (default: auto)"),
     flash_attn: _L = _engine("-fa", "--flash-attn", help="on | off | auto: recorded only, torch SDPA picks its kernel "
                              "(default: auto)"),
-    dtype: _L = _engine("--dtype", help="auto (bf16 on CUDA, f32 on CPU) | f32 | bf16 | f16 (default: auto)"),
     spec_type: _L = _spec("--spec-type", help="drafter chains to sweep: a comma list is one chain as in every "
                           "command (ngram-mod,draft-simple); ';' or a repeated flag starts the next value"),
     model_draft: _L = _spec("-md", "--model-draft", help="draft models (alone: sweeps draft-simple)"),
@@ -85,7 +97,7 @@ def bench(
                                        rich_help_panel=_RUN),
 ) -> None:
     """Benchmark prompt processing, generation, speculative decoding sweeps and verify cost (llama-bench)."""
-    flags = dict(locals())
+    flags = {**locals(), **opts}
     for name, fmt in (("-o", output), ("-oe", output_err)):
         if fmt is not None and fmt not in OUTPUT_FORMATS:
             raise UsageError(f"{name} must be one of {', '.join(OUTPUT_FORMATS)}")

@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from spec_cli.cli.common import TextCollector, TextStream, prompt_tokens, read_prompt, run_once
-from spec_cli.cli.options import MODEL, PROMPT, SAMPLING, SPEC, engine_options, sampling_params, with_options
+from spec_cli.cli.options import MODEL, PROMPT, SAMPLING, SPEC, engine_options, pick, sampling_params, with_options
 from spec_cli.cli.output import print_json, run_table, stderr
 from spec_cli.engine import build_engine
 from spec_cli.errors import UsageError
@@ -27,12 +27,6 @@ from spec_cli.lookup import (
 from spec_cli.speculative.adaptive import draft_bound, parse_draft_max
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.ngram_cache import save_cache
-
-
-def pick(group, *names: str):
-    """A sub-group of a shared option group: the same flags and help, only the options a tool reads."""
-    panel, opts = group
-    return panel, [o for o in opts if o.name in names]
 
 
 DRAFT_MAX = pick(SPEC, "draft_max")

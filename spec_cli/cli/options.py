@@ -29,6 +29,12 @@ class Opt:
     default: Any
     flags: tuple[str, ...]
     help: str
+    metavar: str | None = None  # None: typer's, from the annotation
+
+
+def _ngram(name: str, help: str) -> Opt:
+    """A per-drafter n-gram setting: llama.cpp's flag is `--spec-` + the SpecParams field, its default the field's."""
+    return Opt(name, int, getattr(SpecParams, name), ("--spec-" + name.replace("_", "-"),), help)
 
 
 MODEL = ("Model and context", [
@@ -72,24 +78,32 @@ SPEC = ("Speculative decoding", [
     Opt("draft_max", str, "auto", ("--draft-max", "--draft", "--draft-n", "--spec-draft-n-max"),
         "max draft tokens per step (N), or auto: per step the length that maximizes expected tokens/s from the "
         "measured verify cost and each drafter's acceptance (at most 16)"),
-    Opt("draft_min", int, 0, ("--draft-min", "--draft-n-min", "--spec-draft-n-min"), "min draft tokens (else no draft)"),
-    Opt("draft_p_min", float, 0.75, ("--draft-p-min", "--spec-draft-p-min"), "stop drafting below this probability"),
+    Opt("draft_min", int, SpecParams.draft_min, ("--draft-min", "--draft-n-min", "--spec-draft-n-min"),
+        "min draft tokens (else no draft)"),
+    Opt("draft_p_min", float, SpecParams.draft_p_min, ("--draft-p-min", "--spec-draft-p-min"),
+        "stop drafting below this probability"),
     Opt("spec_verify", str, "auto", ("--spec-verify",), "auto | match | rejection"),
-    Opt("ngram_simple_size_n", int, 12, ("--spec-ngram-simple-size-n",), "ngram-simple pattern length"),
-    Opt("ngram_simple_size_m", int, 48, ("--spec-ngram-simple-size-m",), "ngram-simple draft length"),
-    Opt("ngram_simple_min_hits", int, 1, ("--spec-ngram-simple-min-hits",), "ngram-simple min hits (unused, as llama.cpp)"),
-    Opt("ngram_map_k_size_n", int, 12, ("--spec-ngram-map-k-size-n",), "ngram-map-k key length"),
-    Opt("ngram_map_k_size_m", int, 48, ("--spec-ngram-map-k-size-m",), "ngram-map-k draft length"),
-    Opt("ngram_map_k_min_hits", int, 1, ("--spec-ngram-map-k-min-hits",), "ngram-map-k min hits"),
-    Opt("ngram_map_k4v_size_n", int, 12, ("--spec-ngram-map-k4v-size-n",), "ngram-map-k4v key length"),
-    Opt("ngram_map_k4v_size_m", int, 48, ("--spec-ngram-map-k4v-size-m",), "ngram-map-k4v draft length"),
-    Opt("ngram_map_k4v_min_hits", int, 1, ("--spec-ngram-map-k4v-min-hits",), "ngram-map-k4v min hits"),
-    Opt("ngram_mod_n_match", int, 24, ("--spec-ngram-mod-n-match",), "ngram-mod hashed n-gram length"),
-    Opt("ngram_mod_n_min", int, 48, ("--spec-ngram-mod-n-min",), "ngram-mod min draft length"),
-    Opt("ngram_mod_n_max", int, 64, ("--spec-ngram-mod-n-max",), "ngram-mod max draft length"),
+    _ngram("ngram_simple_size_n", "ngram-simple pattern length"),
+    _ngram("ngram_simple_size_m", "ngram-simple draft length"),
+    _ngram("ngram_simple_min_hits", "ngram-simple min hits (unused, as llama.cpp)"),
+    _ngram("ngram_map_k_size_n", "ngram-map-k key length"),
+    _ngram("ngram_map_k_size_m", "ngram-map-k draft length"),
+    _ngram("ngram_map_k_min_hits", "ngram-map-k min hits"),
+    _ngram("ngram_map_k4v_size_n", "ngram-map-k4v key length"),
+    _ngram("ngram_map_k4v_size_m", "ngram-map-k4v draft length"),
+    _ngram("ngram_map_k4v_min_hits", "ngram-map-k4v min hits"),
+    _ngram("ngram_mod_n_match", "ngram-mod hashed n-gram length"),
+    _ngram("ngram_mod_n_min", "ngram-mod min draft length"),
+    _ngram("ngram_mod_n_max", "ngram-mod max draft length"),
     Opt("lookup_cache_static", Optional[str], None, ("-lcs", "--lookup-cache-static"), "static n-gram cache file"),
     Opt("lookup_cache_dynamic", Optional[str], None, ("-lcd", "--lookup-cache-dynamic"), "dynamic n-gram cache file"),
 ])
+
+
+def pick(group, *names: str):
+    """A sub-group of a shared option group: the same flags and help, only the options a tool reads."""
+    panel, opts = group
+    return panel, [o for o in opts if o.name in names]
 
 
 def with_options(*groups):
@@ -101,7 +115,8 @@ def with_options(*groups):
         extra = [
             inspect.Parameter(
                 o.name, inspect.Parameter.KEYWORD_ONLY, annotation=o.annotation,
-                default=typer.Option(o.default, *o.flags, help=o.help, rich_help_panel=panel, show_default=True),
+                default=typer.Option(o.default, *o.flags, help=o.help, rich_help_panel=panel, show_default=True,
+                                     metavar=o.metavar),
             )
             for panel, opts in groups
             for o in opts
