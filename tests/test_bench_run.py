@@ -6,17 +6,19 @@ plain rows of the same invocation. Plus the CLI (stdout carries only the chosen 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
 from spec_cli.bench import runner as runner_module
 from spec_cli.bench.params import BenchParams, from_flags, parse_spec_chains
 from spec_cli.bench.printers import format_md
 from spec_cli.bench.prompts import BUILTIN_SETS, load_prompt_set, render_tokens
-from spec_cli.bench.runner import run_bench
+from spec_cli.bench.runner import Progress, run_bench
 from spec_cli.bench.verify_cost import break_even_acceptance, expected_length
-from spec_cli.cli import app
+from spec_cli.cli import app, main
 from spec_cli.context import Context
 from spec_cli.errors import SpecCliError, UsageError
 from spec_cli.gguf_file import GGUFFile
@@ -202,6 +204,37 @@ def test_plain_only_prompt_set_run(tiny_model_path, prompt_file):
                                                                                         ("none", 0.8, 1.0)]
 
 
+# --- progress ---------------------------------------------------------------------------------------------
+
+class Recorder(Progress):
+    def __init__(self):
+        self.events = []
+
+    def start(self, tests, n_runs):
+        self.events.append(("start", len(tests), n_runs))
+
+    def test(self, i, name):
+        self.events.append(("test", i))
+
+    def runs_done(self, n=1):
+        self.events.append(("runs", n))
+
+
+def test_progress_announces_the_grid_then_counts_every_timed_run(tiny_model_path, prompt_file):
+    recorder = Recorder()
+    params = tiny(tiny_model_path, n_prompt=[4], n_gen=[2], verify_cost=2, spec_type=["ngram-simple"],
+                  prompt_sets=[str(prompt_file)], repetitions=2)
+    params.random_tests = True
+    run_bench(params, recorder)
+    start, *rest = recorder.events
+    # pp, tg, verify, then plain + ngram-simple over the set's 2 prompts: 3 x 2 + 2 x 2 x 2 runs
+    assert start == ("start", 5, 14)
+    assert [e[1] for e in rest if e[0] == "test"] == [0, 1, 2, 3, 4]
+    assert sum(e[1] for e in rest if e[0] == "runs") == 14
+    spec_runs = [e for e in rest[rest.index(("test", 3)):] if e[0] == "runs"]
+    assert spec_runs == [("runs", 1)] * 8  # one tick per prompt: a long speculative test moves the bar
+
+
 # --- CLI --------------------------------------------------------------------------------------------------
 
 runner = CliRunner()
@@ -230,6 +263,32 @@ def test_cli_baseline_gate(tiny_model_path, tmp_path):
         result = runner.invoke(app, args + ["--baseline", str(baseline), "--max-regression", "10"])
         assert result.exit_code == code, result.output
         assert word in result.stderr and json.loads(result.stdout.splitlines()[0])["test"] == "tg"
+
+
+def bench_cli(capsys, monkeypatch, *args: str) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", ["spec-cli", "bench", *args])
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_cli_prints_the_grid_size_first_and_a_bar_only_on_a_terminal(capsys, monkeypatch, tiny_model_path,
+                                                                    prompt_file, terminal):
+    monkeypatch.setattr(Console, "is_terminal", property(lambda self: terminal))
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, err = bench_cli(capsys, monkeypatch, "-m", str(tiny_model_path), "-dev", "cpu", "--spec-type",
+                               "ngram-simple", "--prompts", str(prompt_file), "-n", "2", "-r", "2", "-o", "csv")
+    assert code == 0, err
+    first = err.splitlines()[0] if not terminal else err
+    assert "bench: 2 tests, 2 repetitions each: 8 timed runs (a speculative run is one prompt of its set)" in first
+    assert ("━" in err) is terminal  # the bar's
+    if terminal:
+        assert "bench 2/2" in err and "8/8" in err  # the last frame: every run counted
 
 
 def test_cli_usage_errors(tiny_model_path):

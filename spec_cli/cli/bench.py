@@ -20,9 +20,13 @@ from dataclasses import replace
 from typing import Optional
 
 import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import Progress as RichProgress
 
 from spec_cli.bench import NGRAM_FIELDS
-from spec_cli.bench.params import OUTPUT_FORMATS, from_flags
+from spec_cli.bench.params import OUTPUT_FORMATS, Instance, from_flags
+from spec_cli.bench.runner import Progress, run_bench
 from spec_cli.cli.options import MODEL, SPEC, pick, with_options
 from spec_cli.errors import UsageError
 
@@ -36,6 +40,42 @@ def _engine(*flags: str, help: str):
 
 def _spec(*flags: str, help: str):
     return typer.Option(None, *flags, help=help, metavar="LIST", rich_help_panel=_SPEC)
+
+
+class _Report(Progress):
+    """The grid's size before anything loads (always), then a live bar over the timed runs on a terminal;
+    elsewhere (CI logs) one line per test with --progress, like llama-bench's; loads and samples with -v."""
+
+    def __init__(self, err: Console, repetitions: int, lines: bool, verbose: bool):
+        self.err, self.repetitions, self.verbose = err, repetitions, verbose
+        self.lines = lines and not err.is_terminal
+        self.bar = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True,
+                                disable=not err.is_terminal)
+        self.task = None
+        self.n_tests = 0
+
+    def start(self, tests: list[Instance], n_runs: int) -> None:
+        self.n_tests = len(tests)
+        self.task = self.bar.add_task("bench", total=n_runs)
+        r = self.repetitions
+        spec = " (a speculative run is one prompt of its set)" if any(i.test.kind == "spec" for i in tests) else ""
+        self._print(f"bench: {len(tests)} tests, {r} repetition{'s' * (r != 1)} each: {n_runs} timed runs{spec}")
+
+    def test(self, i: int, name: str) -> None:
+        self.bar.update(self.task, description=f"bench {i + 1}/{self.n_tests} {name}")
+        if self.lines:
+            self._print(f"bench {i + 1}/{self.n_tests}: {name}")
+
+    def runs_done(self, n: int = 1) -> None:
+        self.bar.advance(self.task, n)
+
+    def log(self, line: str) -> None:
+        if self.verbose:
+            self._print(line)
+
+    def _print(self, line: str) -> None:
+        self.err.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def _sweep(panel: str, group, *names: str):
@@ -96,35 +136,28 @@ def bench(
     plot: Optional[str] = typer.Option(None, "--plot", help="draw the sweep / verify curve to this PNG",
                                        rich_help_panel=_RUN),
 ) -> None:
-    """Benchmark prompt processing, generation, speculative decoding sweeps and verify cost (llama-bench)."""
+    """Benchmark prompt processing, generation, speculative decoding sweeps and verify cost (llama-bench).
+
+    Tests: for every combination of the engine lists (-m, --dtype, -ngl, -dev, -b, -ub, -fa, -t) and each depth
+    -d, one pp test per -p, one tg test per -n, one pg test per -pg and one --verify-cost test; with a speculative
+    sweep, per prompt set, --temp and -n, one plain test plus one per combination of the speculative lists
+    (settings a chain does not read add none). Each test runs -r times after a warmup, a speculative test once per
+    prompt of its set in each repetition. The number of tests and timed runs is printed before anything loads;
+    on a terminal a progress bar follows it.
+    """
     flags = {**locals(), **opts}
     for name, fmt in (("-o", output), ("-oe", output_err)):
         if fmt is not None and fmt not in OUTPUT_FORMATS:
             raise UsageError(f"{name} must be one of {', '.join(OUTPUT_FORMATS)}")
     params = from_flags(flags)
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from spec_cli.bench.compare import compare, format_comparison, has_regression, load_results
     from spec_cli.bench.printers import format_rows
-    from spec_cli.bench.runner import run_bench
 
     reference = load_results(baseline) if baseline else None  # a bad baseline fails before a long run
-
     err = Console(stderr=True)
-    log = (lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True)) if verbose else None
-    # a live bar on a terminal; elsewhere (CI logs) one line per test with --progress, like llama-bench's
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   console=err, transient=True, disable=not err.is_terminal)
-    with bar:
-        task = bar.add_task("bench", total=None)
-
-        def on_test(i: int, n: int, name: str) -> None:
-            bar.update(task, total=n, completed=i, description=f"bench {name}")
-            if progress and not err.is_terminal:
-                err.print(f"bench {i + 1}/{n}: {name}", markup=False, highlight=False)
-
-        rows = [r.to_dict() for r in run_bench(params, on_test, log)]
+    report = _Report(err, params.repetitions, lines=progress, verbose=verbose)
+    with report.bar:
+        rows = [r.to_dict() for r in run_bench(params, report)]
     sys.stdout.write(format_rows(rows, output))
     sys.stdout.flush()
     if output_err:
