@@ -31,14 +31,14 @@ def main() -> None:
         raw = torch.randint(0, 256, (N, K // block * size), dtype=torch.uint8)
         d = 208 if qtype == T.Q6_K else 0  # where each block's fp16 scale d lives
         raw.view(N, K // block, size)[:, :, d : d + 2] = torch.tensor([0, 0x20], dtype=torch.uint8)  # d = 2**-7
-        layer = kernels.LinearArgs([(qtype, raw)])
+        layer = kernels.LinearDesc([(qtype, raw)], K, None)
         cells = []
         for rows in (1, 2, 4, 8):
             x = torch.randn(rows, K)
             best = float("inf")
             for _ in range(3):
                 t0 = time.perf_counter()
-                kernels.linear(layer, x, N, None)
+                kernels.linear(layer, x)
                 best = min(best, time.perf_counter() - t0)
             cells.append(f"{rows} rows {raw.numel() / best / 1e9:5.1f} GB/s")
         print(f"{qtype.name:5s} " + "  ".join(cells))

@@ -35,7 +35,7 @@ class QLinear(nn.Module):
         self.sizes = [raw.shape[0] for _, raw in segments]  # n_out of each segment (the parts of a fused product)
         self.n_out = sum(self.sizes)
         self.bias = bias
-        self._args = kernels.LinearArgs(segments)
+        self._desc: tuple[nn.Parameter | None, kernels.LinearDesc] | None = None  # (the bias it points at, desc)
 
     @classmethod
     def from_gguf(cls, raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, int],
@@ -60,6 +60,14 @@ class QLinear(nn.Module):
         return QLinear([(qtype, raw[ids].contiguous())], self.n_in, bias)
 
     @property
+    def desc(self) -> kernels.LinearDesc:
+        """What the kernels read (raw pointers), rebuilt when the bias was replaced: the loader may set it after the
+        weight."""
+        if self._desc is None or self._desc[0] is not self.bias:
+            self._desc = (self.bias, kernels.LinearDesc(self.segments, self.n_in, self.bias))
+        return self._desc[1]
+
+    @property
     def quantized(self) -> bool:
         """Whether some segment holds quantized blocks (not float rows)."""
         return any(qtype not in (T.F32, T.F16) for qtype, _ in self.segments)
@@ -68,7 +76,7 @@ class QLinear(nn.Module):
         rows = x.reshape(-1, self.n_in)
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             rows = rows.float().contiguous()
-        y = kernels.linear(self._args, rows, self.n_out, self.bias)
+        y = kernels.linear(self.desc, rows)
         return y.view(*x.shape[:-1], self.n_out)
 
 

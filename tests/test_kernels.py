@@ -524,7 +524,7 @@ def test_rms_norm_and_glu_match_torch_row_by_row(isa, threads):
                                               ("gemma3", T.Q5_1, False), ("llama", T.Q4_K, True)],
                          ids=["qwen2-Q4_0", "llama-Q8_0", "gemma3-Q5_1", "llama-Q4_K_M"])
 def test_tiny_model_on_the_kernels_is_close_to_float32_weights(tmp_path, arch, qtype, mixed):
-    """The default CPU path (blocks kept, 8-bit activations) against the same weights dequantized to float32 and
+    """The default CPU path (blocks kept, 8-bit activations, a block per kernel call) against the same weights dequantized to float32 and
     multiplied by torch: teacher-forced logits within a few percent (measured 0.9-2.4 %: each product's 8-bit
     activations add ~1 %)."""
     extra = dict(dims=K_DIMS, qtype_overrides={"attn_v.weight": T.Q6_K, "ffn_down.weight": T.Q6_K,
@@ -533,6 +533,7 @@ def test_tiny_model_on_the_kernels_is_close_to_float32_weights(tmp_path, arch, q
                            n_layer=6 if arch == "gemma3" else 2, **extra)
     q, f32 = load_model(path, device="cpu"), load_model(path, device="cpu", dtype="f32")
     assert q.weights == "q" and f32.weights == "f32"
+    assert all(block.kernel_desc() is not None for block in q.model.layers)  # each block is one kernel call
     batch = Batch()
     for i, tok in enumerate(range(40, 72)):
         batch.add(tok, i, 0, True)

@@ -45,8 +45,10 @@ _lib, _why = _find_library()
 if _lib is not None:
     _lib.sc_init.argtypes = [ctypes.c_int, ctypes.c_int, _i64]
     _lib.sc_has_avx2.restype = ctypes.c_int
-    _lib.sc_linear.argtypes = [ctypes.c_int, _vp, _vp, _vp, _i64, _vp, _i64, _vp, _i64, _vp]
+    _lib.sc_linear.argtypes = [_vp, _vp, _i64, _vp, _i64]
     _lib.sc_linear.restype = ctypes.c_int
+    _lib.sc_block.argtypes = [_vp, _vp, _i64, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i64, _vp]
+    _lib.sc_block.restype = ctypes.c_int
     _lib.sc_rms_norm.argtypes = [_vp, _vp, _vp, _i64, _i64, ctypes.c_float]
     _lib.sc_attention.argtypes = [_vp, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int, ctypes.c_int, _vp, _vp, _i64,
                                   _vp, _vp, _i64, ctypes.c_float, _vp]
@@ -90,28 +92,63 @@ def _sync_threads() -> None:
         _state["threads"] = n
 
 
-class LinearArgs:
-    """The ctypes arguments of one sc_linear call over weight segments [(qtype, raw [n_out, row_bytes] uint8)]."""
-
-    def __init__(self, segments: list[tuple[GGMLQuantizationType, torch.Tensor]]):
-        n = len(segments)
-        self.n = n
-        self.types = (ctypes.c_int * n)(*(int(t) for t, _ in segments))
-        self.ptrs = (ctypes.c_void_p * n)(*(raw.data_ptr() for _, raw in segments))
-        self.n_out = (ctypes.c_int64 * n)(*(raw.shape[0] for _, raw in segments))
+MAX_SEGMENTS = 8  # ScLinear's arrays (kernels.cpp)
 
 
-def linear(args: LinearArgs, x: torch.Tensor, n_out: int, bias: torch.Tensor | None) -> torch.Tensor:
+class LinearDesc(ctypes.Structure):
+    """kernels.cpp's ScLinear: weight segments [(qtype, raw [n_out, row_bytes] uint8)] stacked along the outputs, of
+    rows of K inputs, plus a bias [sum n_out] or None. Holds raw pointers: the tensors must outlive it."""
+
+    _fields_ = [("n_seg", ctypes.c_int32), ("wtypes", ctypes.c_int32 * MAX_SEGMENTS),
+                ("weights", ctypes.c_void_p * MAX_SEGMENTS), ("n_out", ctypes.c_int64 * MAX_SEGMENTS),
+                ("K", ctypes.c_int64), ("bias", ctypes.c_void_p)]
+
+    def __init__(self, segments: list[tuple[GGMLQuantizationType, torch.Tensor]], K: int, bias: torch.Tensor | None):
+        if not 1 <= len(segments) <= MAX_SEGMENTS:
+            raise ValueError(f"a linear layer takes 1 to {MAX_SEGMENTS} weight segments, got {len(segments)}")
+        super().__init__(len(segments), tuple(int(t) for t, _ in segments), tuple(r.data_ptr() for _, r in segments),
+                         tuple(r.shape[0] for _, r in segments), K, _ptr(bias))
+        self.n_total = sum(r.shape[0] for _, r in segments)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
+def linear(desc: LinearDesc, x: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 contiguous -> [M, n_out] float32."""
     _sync_threads()
-    M, K = x.shape
-    y = torch.empty(M, n_out, dtype=torch.float32)
-    rc = _lib.sc_linear(args.n, ctypes.addressof(args.types), ctypes.addressof(args.ptrs),
-                        ctypes.addressof(args.n_out), K, x.data_ptr(), M, y.data_ptr(), n_out,
-                        bias.data_ptr() if bias is not None else None)
+    y = torch.empty(x.shape[0], desc.n_total, dtype=torch.float32)
+    rc = _lib.sc_linear(ctypes.addressof(desc), x.data_ptr(), x.shape[0], y.data_ptr(), desc.n_total)
     if rc:
         raise RuntimeError(f"sc_linear failed ({rc}): unsupported weight type or shape")
     return y
+
+
+class BlockDesc(ctypes.Structure):
+    """kernels.cpp's ScBlock: one decoder block's shapes, norm weights and projections (model.Block.kernel_desc)."""
+
+    _fields_ = [("n_embd", ctypes.c_int64), ("n_ff", ctypes.c_int64), ("n_head", ctypes.c_int32),
+                ("n_kv_head", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("rope_dim", ctypes.c_int32),
+                ("neox", ctypes.c_int32), ("gelu", ctypes.c_int32), ("eps", ctypes.c_float),
+                ("attn_scale", ctypes.c_float), ("window", ctypes.c_int64),
+                *((name, ctypes.c_void_p) for name in ("attn_norm", "ffn_norm", "post_attn_norm", "post_ffn_norm",
+                                                        "q_norm", "k_norm")),
+                *((name, LinearDesc) for name in ("qkv", "wo", "gate_up", "down"))]
+
+
+def block(desc: BlockDesc, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], row_seq: torch.Tensor,
+          row_pos: torch.Tensor, row_write: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """One decoder block over rows x [R, D] float32 contiguous -> [R, D]; rope, rows and caches as for qkv_prep."""
+    _sync_threads()
+    out = torch.empty_like(x)
+    cos, sin = rope
+    rc = _lib.sc_block(ctypes.addressof(desc), x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(),
+                       row_seq.data_ptr(), row_pos.data_ptr(), row_write.data_ptr(), k_cache.data_ptr(),
+                       v_cache.data_ptr(), k_cache.shape[2], out.data_ptr())
+    if rc:
+        raise RuntimeError(f"sc_block failed ({rc}): unsupported weight type or shape")
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -888,10 +888,25 @@ void sc_init(int n_threads, int use_avx2, int64_t spin_ns) {
     pool().set_spin_ns(spin_ns);
 }
 
-// y[M, ldy] (columns [0, sum n_out)) = x[M, K] times the concatenated weights (n_seg segments of n_out[i] rows,
-// each [n_out[i], row_bytes(wtypes[i], K)] bytes) transposed, plus bias[sum n_out] when given. 0 = done.
-int sc_linear(int n_seg, const int* wtypes, const void* const* weights, const int64_t* n_out, int64_t K,
-              const float* x, int64_t M, float* y, int64_t ldy, const float* bias) {
+// One weight matrix: n_seg segments stacked along the outputs (a fused q|k|v or gate|up), segment i holding n_out[i]
+// rows of row_bytes(wtypes[i], K) bytes each; bias [sum n_out] or null. Filled by kernels.LinearDesc (ctypes).
+struct ScLinear {
+    int32_t n_seg;
+    int32_t wtypes[8];
+    const void* weights[8];
+    int64_t n_out[8];
+    int64_t K;
+    const float* bias;
+};
+
+// y[M, ldy] (columns [0, sum n_out)) = x[M, K] times the weights transposed, plus the bias. 0 = done.
+int sc_linear(const ScLinear* w, const float* x, int64_t M, float* y, int64_t ldy) {
+    const int n_seg = w->n_seg;
+    const int* wtypes = w->wtypes;
+    const void* const* weights = w->weights;
+    const int64_t* n_out = w->n_out;
+    const int64_t K = w->K;
+    const float* bias = w->bias;
     if (n_seg < 1 || n_seg > 8 || M < 1) return 1;
     static thread_local ActBuffers bufs[4];
     ActRows acts[4];
@@ -1075,6 +1090,58 @@ void sc_glu(const float* gate_up, int64_t ld, int64_t n, int64_t F, int act, flo
         }
     };
     pool().run(g_threads, n * spans, fn);
+}
+
+// One decoder block (model.Block) in one call, so a decode step costs one Python round trip per layer rather than
+// ten: the same entry points in the same order as the Python composition of them, hence the same bits.
+struct ScBlock {
+    int64_t n_embd, n_ff;
+    int32_t n_head, n_kv_head, head_dim, rope_dim, neox, gelu;
+    float eps, attn_scale;
+    int64_t window;  // sliding window of this layer's attention (0 = none)
+    const float* attn_norm;
+    const float* ffn_norm;
+    const float* post_attn_norm;  // null where the model has no post-norms (all but gemma3)
+    const float* post_ffn_norm;
+    const float* q_norm;  // null without q/k norms (qwen3 and gemma3 have them)
+    const float* k_norm;
+    ScLinear qkv, wo, gate_up, down;
+};
+
+// out[R, D] = x + attn(norm(x)) followed by out += ffn(norm(out)) (each branch post-normed where the block has
+// post-norms). Rows, rope tables and caches as for sc_qkv_prep / sc_attention. 0 = done.
+int sc_block(const ScBlock* b, const float* x, int64_t R, const float* rope_cos, const float* rope_sin,
+             const int64_t* row_seq, const int64_t* row_pos, const uint8_t* row_write, float* k_cache,
+             float* v_cache, int64_t n_ctx, float* out) {
+    static thread_local std::vector<float> scratch;
+    const int64_t D = b->n_embd, F = b->n_ff, hd = b->head_dim;
+    const int64_t n_q = b->n_head * hd, n_qkv = (b->n_head + 2 * (int64_t)b->n_kv_head) * hd;
+    const int64_t wide = std::max(n_qkv, 2 * F);  // qkv rows, later gate|up rows
+    scratch.resize(R * (D + wide + n_q + std::max(n_q, F) + D));
+    float* xn = scratch.data();  // [R, D] normed input of a branch
+    float* big = xn + R * D;  // [R, wide]
+    float* q = big + R * wide;  // [R, n_q]
+    float* mid = q + R * n_q;  // [R, max(n_q, F)]: attention output, later the GLU output
+    float* h = mid + R * std::max(n_q, F);  // [R, D]: a branch's output
+    const auto add_branch = [&](const float* post_norm, const float* base) {
+        if (post_norm) sc_rms_norm(h, post_norm, h, R, D, b->eps);
+        for (int64_t i = 0; i < R * D; i++) out[i] = base[i] + h[i];
+    };
+    int rc;
+    sc_rms_norm(x, b->attn_norm, xn, R, D, b->eps);
+    if ((rc = sc_linear(&b->qkv, xn, R, big, n_qkv))) return rc;
+    sc_qkv_prep(big, n_qkv, R, b->n_head, b->n_kv_head, b->head_dim, b->q_norm, b->k_norm, b->eps, rope_cos,
+                rope_sin, b->rope_dim, b->neox, row_seq, row_pos, row_write, k_cache, v_cache, n_ctx, q);
+    sc_attention(q, n_q, hd, R, b->n_head, b->n_kv_head, b->head_dim, k_cache, v_cache, n_ctx, row_seq, row_pos,
+                 b->window, b->attn_scale, mid);
+    if ((rc = sc_linear(&b->wo, mid, R, h, D))) return rc;
+    add_branch(b->post_attn_norm, x);
+    sc_rms_norm(out, b->ffn_norm, xn, R, D, b->eps);
+    if ((rc = sc_linear(&b->gate_up, xn, R, big, 2 * F))) return rc;
+    sc_glu(big, 2 * F, R, F, b->gelu, mid);
+    if ((rc = sc_linear(&b->down, mid, R, h, D))) return rc;
+    add_branch(b->post_ffn_norm, out);
+    return 0;
 }
 
 // ggml-style activation quantization of one row, for tests: codes [K] int8, d [K / block], isum, s
