@@ -16,6 +16,7 @@ from torch import nn
 
 from spec_cli import kernels
 from spec_cli.config import ModelConfig
+from spec_cli.qlinear import QLinear
 
 
 @dataclass
@@ -144,8 +145,6 @@ class Attention(nn.Module):
         # x [G, T, D]; k_cache/v_cache [n_seq, kv_heads, n_ctx_seq, head_dim]
         cfg = self.cfg
         G, T, _ = x.shape
-        if self.qkv is not None and kernels.usable(x) and k_cache.dtype == torch.float32:
-            return self._forward_kernels(x, plan, k_cache, v_cache)
         if self.qkv is not None:
             q, k, v = self.qkv(x).split(self.qkv.sizes, dim=-1)
         else:
@@ -172,20 +171,6 @@ class Attention(nn.Module):
         )  # [G, H, T, hd]
         return self.wo(out.transpose(1, 2).reshape(G, T, cfg.n_head * cfg.head_dim))
 
-    def _forward_kernels(self, x, plan: ForwardPlan, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """The same layer on the compiled kernels: norms, rope, cache writes and attention row by row."""
-        cfg = self.cfg
-        G, T, _ = x.shape
-        qkv = self.qkv(x).view(G * T, -1)  # [R, (H + 2 H_kv) hd]
-        base = cfg.rope_base_swa if self.swa else cfg.rope_base
-        rope = rope_table(cfg.rope_dim, base, cfg.rope_scale, plan.n_kv)
-        norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
-        q = kernels.qkv_prep(qkv, cfg.n_head, cfg.n_head_kv, cfg.head_dim, *norms, cfg.rms_eps, rope, cfg.rope_dim,
-                             cfg.rope_type == "neox", plan.row_seq, plan.row_pos, plan.row_write, k_cache, v_cache)
-        window = (cfg.sliding_window or 0) if self.swa else 0
-        out = kernels.attention(q, k_cache, v_cache, plan.row_seq, plan.row_pos, window, cfg.attn_scale)
-        return self.wo(out.view(G, T, -1))
-
 
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -199,12 +184,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            gate_up = self.gate_up(x)  # [*, 2 n_ff], gate first
-            if kernels.usable(gate_up):
-                n_ff = self.gate_up.sizes[0]
-                h = kernels.glu(gate_up.view(-1, 2 * n_ff), n_ff, self.gelu).view(*x.shape[:-1], n_ff)
-                return self.w_down(h)
-            gate, up = gate_up.split(self.gate_up.sizes, dim=-1)
+            gate, up = self.gate_up(x).split(self.gate_up.sizes, dim=-1)
         else:
             gate, up = self.w_gate(x), self.w_up(x)
         return self.w_down(self.act(gate) * up)
@@ -220,8 +200,13 @@ class Block(nn.Module):
         self.ffn = FeedForward(cfg)
         self.post_attn_norm = RMSNorm(cfg.n_embd, cfg.rms_eps) if cfg.post_norms else None
         self.post_ffn_norm = RMSNorm(cfg.n_embd, cfg.rms_eps) if cfg.post_norms else None
+        self._kernel_desc: tuple[tuple, kernels.BlockDesc | None] = ((), None)  # (what it was built from, desc)
 
     def forward(self, x, plan, rope, k_cache, v_cache):
+        if kernels.usable(x) and k_cache.dtype == torch.float32:
+            desc = self.kernel_desc()
+            if desc is not None:
+                return self._forward_kernels(desc, x, plan, k_cache, v_cache)
         h = self.attn(self.attn_norm(x), plan, rope, k_cache, v_cache)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
@@ -230,6 +215,40 @@ class Block(nn.Module):
         if self.post_ffn_norm is not None:
             h = self.post_ffn_norm(h)
         return x + h
+
+    def _forward_kernels(self, desc, x, plan: ForwardPlan, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """The whole block in one kernel call (kernels.cpp sc_block): the steps of forward() on the kernels, rope and
+        cache writes row by row."""
+        cfg = self.attn.cfg
+        G, T, D = x.shape
+        base = cfg.rope_base_swa if self.swa else cfg.rope_base
+        rope = rope_table(cfg.rope_dim, base, cfg.rope_scale, plan.n_kv)
+        out = kernels.block(desc, x.reshape(G * T, D).contiguous(), rope, plan.row_seq, plan.row_pos, plan.row_write,
+                            k_cache, v_cache)
+        return out.view(G, T, D)
+
+    def kernel_desc(self) -> "kernels.BlockDesc | None":
+        """The block as kernels.cpp's ScBlock, or None where a projection is not a QLinear (float weights, or q/k/v
+        or gate/up not fused). Rebuilt when a projection or norm was replaced (the MTP head is quantized after
+        training)."""
+        attn, ffn = self.attn, self.ffn
+        projections = (attn.qkv, attn.wo, ffn.gate_up, ffn.w_down)
+        norms = tuple(n.weight if n is not None else None for n in (self.attn_norm, self.ffn_norm, self.post_attn_norm,
+                                                                    self.post_ffn_norm, attn.q_norm, attn.k_norm))
+        parts = projections + norms
+        built_from, desc = self._kernel_desc
+        if len(built_from) == len(parts) and all(a is b for a, b in zip(built_from, parts)):
+            return desc
+        desc = None
+        if all(isinstance(p, QLinear) for p in projections):
+            cfg = attn.cfg
+            desc = kernels.BlockDesc(
+                cfg.n_embd, ffn.gate_up.sizes[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rope_dim,
+                cfg.rope_type == "neox", ffn.gelu, cfg.rms_eps, cfg.attn_scale,
+                (cfg.sliding_window or 0) if self.swa else 0,
+                *(n.data_ptr() if n is not None else None for n in norms), *(p.desc for p in projections))
+        self._kernel_desc = (parts, desc)
+        return desc
 
 
 class Embedding(nn.Module):
@@ -285,7 +304,7 @@ class Transformer(nn.Module):
             x = layer(x.to(device), p, ropes[layer.swa], k_cache, v_cache)
         return x
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., D] (pre-norm) -> logits [..., V] in float32."""
+    def logits(self, hidden: torch.Tensor, output: nn.Module | None = None) -> torch.Tensor:
+        """hidden [..., D] (pre-norm) -> logits [..., V] in float32; through `output` (rows of self.output) when given."""
         h = hidden.to(self.output_device)
-        return self.output(self.norm(h)).float()
+        return (output or self.output)(self.norm(h)).float()
