@@ -169,13 +169,21 @@ def resolve_model(value: str | None, cache: str | Path | None = None, progress: 
                   registry: Registry | None = None) -> Path:
     """`-m` semantics: None -> the default model; an existing file -> itself; a registry name -> pulled on first use."""
     registry = registry or load_registry()
+    entry = registry_entry(value, registry=registry)
+    return Path(value).expanduser() if entry is None else pull(entry.name, cache, progress, registry=registry)
+
+
+def registry_entry(value: str | None, *, registry: Registry | None = None) -> ModelSpec | None:
+    """The models.toml entry `-m VALUE` names (None: the default model), None for an existing file (a file wins over
+    a name); anything else is an error."""
+    registry = registry or load_registry()
     if value is None:
-        return pull(registry.default_model, cache, progress, registry=registry)
+        return registry.get(registry.default_model)
     path = Path(value).expanduser()
     if path.is_file():
-        return path
+        return None
     if value in registry.models:
-        return pull(value, cache, progress, registry=registry)
+        return registry.models[value]
     if path.is_dir():
         raise SpecCliError(f"model path is a directory, not a GGUF file: {value}")
     if "/" in value or os.sep in value or value.endswith(".gguf"):

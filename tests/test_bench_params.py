@@ -17,6 +17,7 @@ from spec_cli.bench.params import (
     parse_values,
 )
 from spec_cli.errors import UsageError
+from spec_cli.models import load_registry
 from spec_cli.speculative.chain import parse_spec_types
 
 
@@ -145,7 +146,6 @@ def test_from_flags_selects_test_kinds():
 
 
 @pytest.mark.parametrize("flags,message", [
-    ({"spec_type": ["draft-simple"]}, "draft model"),
     ({"n_batch": ["0"]}, "n_batch"),
     ({"draft_p_min": ["1.5"]}, "p-min"),
     ({"spec_verify": ["sometimes"]}, "spec-verify"),
@@ -156,3 +156,12 @@ def test_from_flags_selects_test_kinds():
 def test_invalid_parameters_are_usage_errors(flags, message):
     with pytest.raises(UsageError, match=message):
         instances(from_flags(flags))
+
+
+def test_draft_simple_without_md_drafts_with_the_models_listed_draft(tiny_model_path):
+    registry = load_registry()
+    listed = registry.get(registry.default_model).draft
+    tests = [i.test for i in instances(from_flags({"spec_type": ["draft-simple"]}))]  # the default model
+    assert [t.model_draft for t in tests if t.spec_type == "draft-simple"] == [listed]
+    with pytest.raises(UsageError, match="draft model"):  # a GGUF path lists no draft
+        instances(from_flags({"spec_type": ["ngram-mod;draft-simple"], "model": [str(tiny_model_path)]}))

@@ -4,6 +4,7 @@ statistics, chat mode, and speculation that does not change greedy output."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 
 import pytest
@@ -93,3 +94,44 @@ def test_prompt_from_file(capsys, monkeypatch, tmp_path, tiny_model_path):
     assert json.loads(out)["predicted_n"] == 3
     code, _, err = cli(capsys, monkeypatch, "run", "-m", str(tiny_model_path), "-f", str(prompt), "-p", "x")
     assert code == 2 and "not both" in err
+
+
+@pytest.fixture
+def tiny_registry(tmp_path, monkeypatch, tiny_model_path, tiny_draft_path):
+    """A models.toml naming the tiny models, both in the cache: `tiny` (the default model; draft tiny-draft, default
+    spec type draft-simple) and `tiny-draft` (no defaults)."""
+    models = tmp_path / "cache" / "models"
+    models.mkdir(parents=True)
+    toml = 'default_model = "tiny"\ndefault_draft = "tiny-draft"\ntest_model = "tiny"\n'
+    for name, path, extra in (("tiny", tiny_model_path, 'draft = "tiny-draft"\ndefault_spec_type = "draft-simple"\n'),
+                              ("tiny-draft", tiny_draft_path, "")):
+        shutil.copy(path, models / f"{name}.gguf")
+        toml += (f'[models.{name}]\narch = "llama"\nsize = {path.stat().st_size}\nsha256 = "{"0" * 64}"\n{extra}'
+                 'packages = [{ name = "unused", version = "1", member = "unused" }]\n')
+    (tmp_path / "models.toml").write_text(toml)
+    monkeypatch.setattr("spec_cli.models.REGISTRY_PATH", tmp_path / "models.toml")
+    monkeypatch.setenv("SPEC_CLI_CACHE", str(tmp_path / "cache"))
+
+
+def test_speculative_simple_applies_the_models_toml_defaults(capsys, monkeypatch, tiny_registry):
+    """No flags on the default model: its default_spec_type with its listed draft (not a plain run, #25345)."""
+    base = ["-p", PROMPT, "-n", "12", "--temp", "0", "--draft-p-min", "0", "--json"]
+    code, out, err = cli(capsys, monkeypatch, "speculative-simple", *base)
+    assert code == 0, err
+    spec = json.loads(out)
+    assert [d["name"] for d in spec["drafters"]] == ["draft-simple"] and spec["n_drafted"] > 0
+    code, out, err = cli(capsys, monkeypatch, "run", *base)
+    assert code == 0, err
+    assert "drafters" not in json.loads(out)  # run speculates only when asked
+    assert json.loads(out)["content"] == spec["content"]
+    # asked for draft-simple without -md, any command drafts with the listed draft
+    code, out, err = cli(capsys, monkeypatch, "run", "-m", "tiny", "--spec-type", "draft-simple", *base)
+    assert code == 0, err
+    assert json.loads(out)["n_drafted"] == spec["n_drafted"]
+
+
+def test_speculative_simple_without_a_drafter_is_a_usage_error(capsys, monkeypatch, tiny_registry, tiny_model_path):
+    for model, why in (("tiny-draft", "tiny-draft lists no draft"), (str(tiny_model_path), "a GGUF path has no")):
+        code, out, err = cli(capsys, monkeypatch, "speculative-simple", "-m", model, "-p", PROMPT, "-n", "4")
+        assert code == 2 and out == ""
+        assert err.startswith("error: nothing to speculate with: give --spec-type") and why in err

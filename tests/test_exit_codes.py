@@ -36,7 +36,9 @@ def cases(model: str, tmp: Path) -> dict[str, tuple[list[str], int, str]]:
         "run-usage": (["run", *gen, "-c", "-1"], 2, "-c must be positive"),
         "speculative-ok": (["speculative-simple", *gen, "--spec-type", "ngram-simple"], 0, "speculation"),
         "speculative-runtime": (["speculative-simple", *gen, "--spec-type", "mtp"], 1, "MTP"),
-        "speculative-usage": (["speculative-simple", *gen, "--spec-type", "bogus"], 2, "unknown --spec-type"),
+        # issue 13's command: a model without a models.toml draft, no drafter asked for (nothing is loaded)
+        "speculative-usage": (["speculative-simple", "-m", "smollm2-135m", "-p", "Hello", "-n", "8"], 2,
+                              "nothing to speculate with"),
         "lookup-ok": (["lookup", *gen], 0, "n_accept"),
         "lookup-runtime": (["lookup", *gen, "-lcs", str(tmp / "missing.bin")], 1, "cannot read lookup cache"),
         "lookup-usage": (["lookup", *gen, "--draft-max", "many"], 2, "--draft-max"),

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from spec_cli.bench import NGRAM_FIELDS
 from spec_cli.errors import UsageError
+from spec_cli.models import registry_entry
 from spec_cli.speculative.adaptive import AUTO, parse_draft_max
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.chain import parse_spec_types
@@ -206,8 +207,6 @@ class BenchParams:
             raise UsageError("-r must be at least 1")
         if self.verify_cost < 0:
             raise UsageError("--verify-cost must be >= 0")
-        if any("draft-simple" in chain_types(c) for c in self.spec_type) and not self.model_draft:
-            raise UsageError("--spec-type draft-simple needs a draft model (-md FILE|NAME)")
         if self.speculative and not any(self.n_gen):
             raise UsageError("speculative tests need -n > 0 (tokens generated per prompt)")
 
@@ -263,7 +262,7 @@ def instances(p: BenchParams) -> list[Instance]:
             if p.verify_cost:
                 tests.append(Test("verify", n_depth=depth, verify_k=p.verify_cost))
         if p.speculative:
-            tests += _spec_tests(p)
+            tests += _spec_tests(p, engine[0])
         out += [Instance(*engine, test=t) for t in tests]
     return out
 
@@ -275,14 +274,17 @@ def _random_tests(p: BenchParams, depth: int) -> list[Test]:
     return tests
 
 
-def _spec_tests(p: BenchParams) -> list[Test]:
+def _spec_tests(p: BenchParams, model: str) -> list[Test]:
+    lists = {f: getattr(p, f) or [""] for f in SPEC_FIELDS}
+    if any("draft-simple" in chain_types(c) for c in p.spec_type) and not p.model_draft:
+        lists["model_draft"] = _listed_draft(model)
     tests: list[Test] = []
     for prompt_set, temp, n_gen in itertools.product(p.prompt_sets, p.temp, p.n_gen):
         if n_gen <= 0:
             continue
         tests.append(Test("spec", n_gen=n_gen, prompt_set=prompt_set, temp=temp))
         seen = set()
-        cases = itertools.product(*(getattr(p, f) or [""] for f in SPEC_FIELDS)) if p.spec_type else []
+        cases = itertools.product(*lists.values()) if p.spec_type else []
         for case in cases:
             values = dict(zip(SPEC_FIELDS, case))
             types = chain_types(values["spec_type"])
@@ -296,6 +298,14 @@ def _spec_tests(p: BenchParams) -> list[Test]:
                     seen.add(test)
                     tests.append(test)
     return tests
+
+
+def _listed_draft(model: str) -> list[str]:
+    """draft-simple without -md drafts with the model's models.toml `draft`, as in every command."""
+    entry = registry_entry(model or None)
+    if entry is None or entry.draft is None:
+        raise UsageError("--spec-type draft-simple needs a draft model (-md FILE|NAME)")
+    return [entry.draft]
 
 
 def from_flags(flags: dict) -> BenchParams:

@@ -157,15 +157,40 @@ def fetch_model(value: str | None) -> str:
         return str(resolve_model(value, progress=progress))
 
 
-def engine_options(opts: dict, n_seq: int = 1) -> EngineOptions:
+def registry_defaults(model: str | None, spec: SpecParams, draft: str | None, speculative: bool) -> str | None:
+    """models.toml's `default_spec_type` and `draft` for a registry model; returns the draft model.
+
+    A command that exists to speculate (`speculative`) and was given no drafter takes the model's default spec type
+    (or, with only a `draft` listed, draft-simple) and stops with a usage error when the model lists neither: a run
+    table that speculated nothing is the surprise of llama.cpp #25345. draft-simple without -md drafts with the
+    model's listed draft, in every command."""
+    from spec_cli.models import registry_entry
+
+    entry = registry_entry(model)
+    if speculative and not spec.types and not draft:
+        default = entry and (entry.default_spec_type or ("draft-simple" if entry.draft else None))
+        if not default:
+            which = f"{entry.name} lists" if entry else "a GGUF path has"
+            raise UsageError(f"nothing to speculate with: give --spec-type TYPES or -md DRAFT ({which} no draft or "
+                             "default_spec_type in models.toml)")
+        spec.types = parse_spec_types(default)
+    if "draft-simple" in spec.types and not draft and entry is not None:
+        return entry.draft
+    return draft
+
+
+def engine_options(opts: dict, n_seq: int = 1, speculative: bool = False) -> EngineOptions:
+    """The engine's options from a command's flags; `speculative`: the command exists to speculate (see
+    registry_defaults)."""
     for name, flag in (("ctx_size", "-c"), ("batch_size", "-b"), ("ubatch_size", "-ub")):
         if opts[name] < (0 if name == "ctx_size" else 1):
             raise UsageError(f"{flag} must be positive")
     spec = spec_params(opts) if "spec_type" in opts else SpecParams()
-    draft = opts.get("model_draft")
+    draft = registry_defaults(opts["model"], spec, opts.get("model_draft"), speculative)
     return EngineOptions(
-        model=fetch_model(opts["model"]), model_draft=fetch_model(draft) if draft else None, n_ctx=opts["ctx_size"], n_batch=opts["batch_size"],
-        n_ubatch=opts["ubatch_size"], n_seq=n_seq, threads=opts["threads"], device=opts["device"],
+        model=fetch_model(opts["model"]), model_draft=fetch_model(draft) if draft else None, n_ctx=opts["ctx_size"],
+        n_batch=opts["batch_size"], n_ubatch=opts["ubatch_size"], n_seq=n_seq, threads=opts["threads"],
+        device=opts["device"],
         n_gpu_layers=opts["n_gpu_layers"], device_draft=opts.get("device_draft"),
         n_gpu_layers_draft=opts.get("n_gpu_layers_draft", -1), dtype=opts["dtype"],
         spec=spec,

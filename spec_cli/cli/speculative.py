@@ -29,7 +29,7 @@ def speculative_simple(
         raise UsageError("--log-format must be table or text")
     text = read_prompt(opts)
     sampling = sampling_params(opts)
-    engine = build_engine(engine_options(opts))
+    engine = build_engine(engine_options(opts, speculative=True))
     tokens = prompt_tokens(engine, text, opts["conversation"], opts["chat_template"])
     sink = TextCollector(engine) if opts["json_output"] else TextStream(engine, color=color)
     if not opts["conversation"]:
