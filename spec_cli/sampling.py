@@ -128,6 +128,16 @@ def draw(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return (weights / noise.clamp_min_(1e-30)).argmax(dim=-1)
 
 
+def _mix64(seed: int, position: int) -> int:
+    """A 64-bit generator seed from (seed, position): splitmix64's finalizer over seed * golden ratio + position, so
+    neighbouring positions and seeds get unrelated streams."""
+    mask = (1 << 64) - 1
+    z = (seed * 0x9E3779B97F4A7C15 + position) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
 class PenaltyHistory:
     """The last `last_n` accepted tokens and how often each occurs (llama.cpp's penalties ring buffer + token counts)."""
 
@@ -174,6 +184,7 @@ class Sampler:
             self._eog = torch.tensor(sorted(set(eog_ids)), dtype=torch.long, device=self.device)
         self._penalties = PenaltyHistory(n_vocab, params.repeat_last_n, self.device) if params.has_penalties else None
         self.generator = torch.Generator(device=self.device)
+        self.n_accepted = 0  # tokens accepted (prompt included): the position of the next token
         self.seed = self._reseed()
 
     @property
@@ -186,9 +197,13 @@ class Sampler:
 
     def _reseed(self) -> int:
         """llama.cpp `llama_sampler_dist` seeding: the fixed seed, or a fresh random one for -1. Returns the seed used."""
-        seed = secrets.randbits(32) if self.params.seed == RANDOM_SEED else self.params.seed
-        self.generator.manual_seed(seed)
-        return seed
+        return secrets.randbits(32) if self.params.seed == RANDOM_SEED else self.params.seed
+
+    def rng(self) -> torch.Generator:
+        """The random stream of the next token's draws, seeded by (seed, its position): a token's draws do not depend
+        on how many draws came before it, so with match verification a speculative run samples exactly the tokens a
+        plain run does, whatever was drafted, rejected or re-verified in between."""
+        return self.generator.manual_seed(_mix64(self.seed, self.n_accepted))
 
     # -- the chain ------------------------------------------------------------------------------------------------
 
@@ -254,27 +269,28 @@ class Sampler:
         if self.greedy:  # no draw: greedy leaves the generator alone
             return adjusted.argmax(dim=-1)
         probs, ids = self._candidates(adjusted)
-        return ids.gather(-1, draw(probs, self.generator).unsqueeze(-1)).squeeze(-1)
+        return ids.gather(-1, draw(probs, self.rng()).unsqueeze(-1)).squeeze(-1)
 
     def sample(self, logits: torch.Tensor) -> int:
         """Token drawn from logits [V] (greedy: the argmax). Does not accept it."""
         return int(self.sample_on_device(logits))
 
     def accept(self, token: int) -> None:
-        """Record a committed token in the penalty history (no-op without penalties)."""
+        """Record a committed token: the next draw's position, and the penalty history."""
+        self.n_accepted += 1
         if self._penalties is not None:
             self._penalties.accept(token)
 
     def clone(self) -> Sampler:
-        """An independent copy: same penalty history, same generator state (so the same future draws)."""
+        """An independent copy: same penalty history, same seed and position (so the same future draws)."""
         other = copy.copy(self)
         other._penalties = self._penalties.clone() if self._penalties is not None else None
         other.generator = torch.Generator(device=self.device)
-        other.generator.set_state(self.generator.get_state())
         return other
 
     def reset(self) -> None:
         """llama.cpp `common_sampler_reset`: empty the penalty history and reseed (a new random seed for -1)."""
         if self._penalties is not None:
             self._penalties.reset()
+        self.n_accepted = 0
         self.seed = self._reseed()

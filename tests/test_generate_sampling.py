@@ -1,7 +1,7 @@
 """Speculation at temperature > 0 keeps the target's output distribution.
 
-match mode draws exactly one sample per emitted token from the target sampler, so with the same seed the speculative
-output IS the plain output; rejection mode changes the draws, so its output is compared in distribution with the
+match mode draws each emitted token from the target sampler's stream for its position, so with the same seed the
+speculative output IS the plain output; rejection mode changes the draws, so its output is compared in distribution with the
 exact target distribution of the first two tokens."""
 
 from __future__ import annotations

@@ -129,7 +129,12 @@ def test_ignore_eos_removes_end_of_generation_tokens():
 
 
 def sample_sequence(sampler: Sampler, logits: torch.Tensor) -> list[int]:
-    return [sampler.sample(row) for row in logits]
+    """Sample and commit one token per row, as the step loop does."""
+    tokens = []
+    for row in logits:
+        tokens.append(sampler.sample(row))
+        sampler.accept(tokens[-1])
+    return tokens
 
 
 def test_same_seed_same_tokens_and_clone_continues_identically():
@@ -146,6 +151,24 @@ def test_same_seed_same_tokens_and_clone_continues_identically():
 
     sampler.reset()  # reseeds with the same fixed seed
     assert sample_sequence(sampler, logits) == first
+
+
+def test_a_tokens_draw_depends_on_its_position_not_on_earlier_draws():
+    """Draws come from (seed, position) streams: drawing again before accepting (a rejected verify row, a re-verified
+    draft) changes nothing that follows."""
+    logits = torch.zeros(30, 100)
+    params = SamplingParams(**PLAIN, seed=99)
+    plain = sample_sequence(Sampler(params, 100), logits)
+    busy = Sampler(params, 100)
+    tokens = []
+    for row in logits:
+        for _ in range(3):
+            busy.sample(row)  # discarded draws
+        tokens.append(busy.sample(row))
+        busy.accept(tokens[-1])
+    assert tokens == plain
+    other_seed = sample_sequence(Sampler(SamplingParams(**PLAIN, seed=100), 100), logits)
+    assert other_seed != plain
 
 
 def test_clone_copies_the_penalty_history():

@@ -44,8 +44,9 @@ def _check_rows(logits: torch.Tensor, draft: list[int]) -> None:
 def verify_match(sampler: Sampler, logits: torch.Tensor, draft: list[int]) -> list[int]:
     """llama.cpp `common_sampler_sample_and_accept_n`: sample row i, keep going while it equals draft[i].
 
-    At temp > 0 each emitted token costs exactly one draw from the sampler's generator, as in plain decoding, so with
-    the same seed (and the same logits) speculative output equals non-speculative output token for token.
+    At temp > 0 each emitted token is drawn as in plain decoding, from the stream of its position (Sampler.rng), so with
+    the same seed (and the same logits: the kernels are batch-invariant) speculative output equals non-speculative
+    output token for token.
     """
     _check_rows(logits, draft)
     if sampler.greedy:
@@ -94,7 +95,8 @@ def verify_rejection(sampler: Sampler, logits: torch.Tensor, draft: list[int],
         draft_probs = draft_probs.to(device=device, dtype=torch.float32)  # [k, V]
         q_x = draft_probs.gather(1, x[:, None])[:, 0]  # [k]
         q = draft_probs.gather(1, ids[:k])  # [k, C]; q outside p's candidates never matters: p - q <= 0 there
-    u = torch.rand(k, generator=sampler.generator, device=device)  # [k]
+    rng = sampler.rng()  # one stream for the step, seeded by the position of its first row
+    u = torch.rand(k, generator=rng, device=device)  # [k]
     accepted = u * q_x < p_x  # u < p/q without dividing: accepts w.p. min(1, p/q), never a token with p = 0
     n = accepted.long().cumprod(0).sum()  # [] first rejected position, k when all accepted
 
@@ -104,7 +106,7 @@ def verify_rejection(sampler: Sampler, logits: torch.Tensor, draft: list[int],
     q_n = q.index_select(0, n.clamp_max(k - 1)[None])[0] * (n < k)  # [C]
     residual = (p_n - q_n).clamp_min(0.0)  # [C]
     residual = torch.where(residual.sum() > 0, residual, p_n)  # all zero only when p_n <= q_n everywhere: draw p_n
-    last = ids.index_select(0, n[None])[0].gather(0, draw(residual, sampler.generator)[None])[0]  # [] token id
+    last = ids.index_select(0, n[None])[0].gather(0, draw(residual, rng)[None])[0]  # [] token id
     n_accepted, last_token = torch.stack([n, last]).tolist()
     emitted = draft[:n_accepted] + [last_token]
     for token in emitted:
