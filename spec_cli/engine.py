@@ -6,6 +6,7 @@ same objects from the same flags.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,6 +69,19 @@ class Engine:
         for ctx in (self.draft_ctx, self.mtp_ctx):
             if ctx is not None:
                 ctx.clear()
+
+
+GPU_LAYERS_ALL = "auto"  # -ngl / -ngld default: every block on the GPU (no fitting to free memory)
+
+
+def parse_gpu_layers(value: str, flag: str) -> int:
+    """llama.cpp's N | auto | all for -ngl / -ngld; auto and all (and -1) put every block on the GPU."""
+    word = value.strip().lower()
+    if word in (GPU_LAYERS_ALL, "all"):
+        return -1
+    if not re.fullmatch(r"-1|\d+", word):
+        raise UsageError(f"{flag} must be a number of blocks, auto or all (got '{value}')")
+    return int(word)
 
 
 def resolve(value: str | None) -> Path:

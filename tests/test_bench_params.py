@@ -10,6 +10,7 @@ from spec_cli.bench.params import (
     chain_types,
     from_flags,
     instances,
+    parse_gpu_layers_list,
     parse_flash_attn,
     parse_int_list,
     parse_pairs,
@@ -49,7 +50,10 @@ def test_parse_values_rejects(text):
 def test_repeated_flags_concatenate_and_defaults_apply():
     assert parse_int_list(["1,2", "4-6"], [512], "-p") == [1, 2, 4, 5, 6]
     assert parse_int_list(None, [512], "-p") == [512]
-    assert parse_int_list(["-1,0-2"], [0], "-ngl", allow_negative=True) == [-1, 0, 1, 2]
+    assert parse_gpu_layers_list(["-1,0-2", "all,auto,8-16*2"], [0], "-ngl") == [-1, 0, 1, 2, -1, -1, 8, 16]
+    assert parse_gpu_layers_list(None, [-1], "-ngld") == [-1]
+    with pytest.raises(UsageError, match="-ngld"):
+        parse_gpu_layers_list(["-3"], [-1], "-ngld")
     with pytest.raises(UsageError, match="-p"):
         parse_int_list(["-1"], [0], "-p")
 

@@ -247,6 +247,7 @@ def test_cli_stdout_carries_only_the_format(tiny_model_path):
     rows = json.loads(result.stdout)
     assert [(r["test"], r["n_prompt"], r["n_gen"], r["flash_attn"]) for r in rows] == [("pp", 4, 0, 1), ("tg", 0, 2, 1)]
     assert "| model" in result.stderr and "| model" not in result.stdout
+    assert result.stderr.count("warning: -fa has no effect") == 1  # recorded in the rows, changes nothing
 
 
 def test_cli_baseline_gate(tiny_model_path, tmp_path):

@@ -8,8 +8,12 @@ import shutil
 import sys
 
 import pytest
+import torch
 
 from spec_cli.cli import main
+from spec_cli.cli.options import NO_EFFECT
+from spec_cli.engine import parse_gpu_layers
+from spec_cli.errors import UsageError
 
 PROMPT = "abc abc abc abc abc abc abc abc"
 
@@ -135,3 +139,38 @@ def test_speculative_simple_without_a_drafter_is_a_usage_error(capsys, monkeypat
         code, out, err = cli(capsys, monkeypatch, "speculative-simple", "-m", model, "-p", PROMPT, "-n", "4")
         assert code == 2 and out == ""
         assert err.startswith("error: nothing to speculate with: give --spec-type") and why in err
+
+
+@pytest.mark.parametrize("value, expected", [("auto", -1), ("all", -1), ("ALL", -1), ("-1", -1), ("0", 0), ("28", 28)])
+def test_gpu_layers_take_llamacpp_words(value, expected):
+    assert parse_gpu_layers(value, "-ngld") == expected
+
+
+@pytest.mark.parametrize("value", ["-2", "many", "1.5", ""])
+def test_gpu_layers_reject_other_values(value):
+    with pytest.raises(UsageError, match="-ngld must be a number of blocks, auto or all"):
+        parse_gpu_layers(value, "-ngld")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only warnings")
+def test_llamacpp_flags_without_effect_warn_once(capsys, monkeypatch, tiny_model_path, tiny_draft_path):
+    base = ["-m", str(tiny_model_path), "-md", str(tiny_draft_path), "-p", PROMPT, "-n", "4", "--temp", "0", "--json"]
+    code, out, err = cli(capsys, monkeypatch, "speculative-simple", *base, "-ngl", "2", "-ngld", "all", "-cd", "256",
+                         "-td", "2")
+    assert code == 0, err
+    assert [line for line in err.splitlines() if line.startswith("warning:")] == [
+        f"warning: -cd has no effect: {NO_EFFECT['-cd']}", f"warning: -td has no effect: {NO_EFFECT['-td']}",
+        "warning: -ngl 2 has no effect: the model runs on the CPU (no CUDA device)"]
+    code, out, err = cli(capsys, monkeypatch, "speculative-simple", *base, "-ngld", "1", "-ngl", "auto")
+    assert code == 0, err
+    assert err.splitlines() == ["warning: -ngld 1 has no effect: the draft model runs on the CPU (no CUDA device)"]
+    code, out, err = cli(capsys, monkeypatch, "run", *base[:2], "-p", PROMPT, "-ngl", "few")
+    assert code == 2 and "-ngl must be a number of blocks, auto or all (got 'few')" in err
+
+
+def test_spec_default_is_llamacpps_ngram_mod(capsys, monkeypatch, tiny_model_path):
+    base = ["-m", str(tiny_model_path), "-p", PROMPT, "-n", "4", "--temp", "0", "--json", "--spec-default"]
+    for extra, drafters in (([], ["ngram-mod"]), (["--spec-type", "ngram-simple"], ["ngram-simple", "ngram-mod"])):
+        code, out, err = cli(capsys, monkeypatch, "speculative-simple", *base, *extra)
+        assert code == 0, err
+        assert [d["name"] for d in json.loads(out)["drafters"]] == drafters

@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass, field
 
 from spec_cli.bench import NGRAM_FIELDS
+from spec_cli.engine import parse_gpu_layers
 from spec_cli.errors import UsageError
 from spec_cli.models import registry_entry
 from spec_cli.speculative.adaptive import AUTO, parse_draft_max
@@ -64,22 +65,26 @@ def parse_values(text: str) -> list[int]:
     return out
 
 
-def parse_int_list(values: list[str] | None, default: list[int], flag: str, allow_negative: bool = False) -> list[int]:
-    """Repeated flags and comma lists of ints; negative single values (e.g. `-ngl -1`) when allowed."""
+def parse_int_list(values: list[str] | None, default: list[int], flag: str) -> list[int]:
+    """Repeated flags and comma lists of ints."""
     if not values:
         return list(default)
     out: list[int] = []
     for value in values:
         for item in value.split(","):
-            item = item.strip()
-            if allow_negative and re.fullmatch(r"-\d+", item):
-                out.append(int(item))
-            else:
-                try:
-                    out.extend(parse_values(item))
-                except UsageError as e:
-                    raise UsageError(f"{flag}: {e}") from None
+            try:
+                out.extend(parse_values(item.strip()))
+            except UsageError as e:
+                raise UsageError(f"{flag}: {e}") from None
     return out
+
+
+def parse_gpu_layers_list(values: list[str] | None, default: list[int], flag: str) -> list[int]:
+    """-ngl / -ngld sweep values: the integer syntax plus llama.cpp's -1, auto and all (every block: -1)."""
+    out: list[int] = []
+    for item in parse_str_list(values, []):
+        out += parse_values(item) if _RANGE.match(item) else [parse_gpu_layers(item, flag)]
+    return out or list(default)
 
 
 def parse_draft_max_list(values: list[str] | None, default: list[int | str]) -> list[int | str]:
@@ -332,14 +337,13 @@ def from_flags(flags: dict) -> BenchParams:
         n_batch=parse_int_list(flags.get("n_batch"), d.n_batch, "-b"),
         n_ubatch=parse_int_list(flags.get("n_ubatch"), d.n_ubatch, "-ub"),
         n_threads=parse_int_list(flags.get("n_threads"), d.n_threads, "-t"),
-        n_gpu_layers=parse_int_list(flags.get("n_gpu_layers"), d.n_gpu_layers, "-ngl", allow_negative=True),
+        n_gpu_layers=parse_gpu_layers_list(flags.get("n_gpu_layers"), d.n_gpu_layers, "-ngl"),
         devices=parse_str_list(flags.get("devices"), d.devices),
         flash_attn=parse_flash_attn(flags.get("flash_attn")),
         dtype=parse_str_list(flags.get("dtype"), d.dtype),
         spec_type=spec_type,
         model_draft=model_draft,
-        n_gpu_layers_draft=parse_int_list(flags.get("n_gpu_layers_draft"), d.n_gpu_layers_draft, "-ngld",
-                                          allow_negative=True),
+        n_gpu_layers_draft=parse_gpu_layers_list(flags.get("n_gpu_layers_draft"), d.n_gpu_layers_draft, "-ngld"),
         devices_draft=parse_str_list(flags.get("device_draft"), d.devices_draft),
         draft_max=parse_draft_max_list(flags.get("draft_max"), d.draft_max),
         draft_min=parse_int_list(flags.get("draft_min"), d.draft_min, "--draft-min"),

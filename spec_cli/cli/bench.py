@@ -27,8 +27,9 @@ from rich.progress import Progress as RichProgress
 from spec_cli.bench import NGRAM_FIELDS
 from spec_cli.bench.params import OUTPUT_FORMATS, Instance, from_flags
 from spec_cli.bench.runner import Progress, run_bench
-from spec_cli.cli.options import MODEL, SPEC, pick, with_options
+from spec_cli.cli.options import MODEL, NO_EFFECT, SPEC, pick, warn_cpu_layers, warn_no_effect, with_options
 from spec_cli.errors import UsageError
+from spec_cli.loader import parse_device
 
 _L = Optional[list[str]]  # repeatable flag whose values are comma lists / ranges
 _ENGINE, _SPEC, _RUN = "Engine parameters (lists)", "Speculative sweep (lists)", "Run and output"
@@ -85,7 +86,7 @@ def _sweep(panel: str, group, *names: str):
                    for o in pick(group, *names)[1]]
 
 
-@with_options(_sweep(_ENGINE, MODEL, "dtype"),
+@with_options(_sweep(_ENGINE, MODEL, "n_gpu_layers", "dtype"),
               _sweep(_SPEC, SPEC, "n_gpu_layers_draft", "device_draft", *NGRAM_FIELDS))
 def bench(
     opts: dict,
@@ -98,10 +99,9 @@ def bench(
     n_batch: _L = _engine("-b", "--batch-size", help="logical batch size (default: 2048)"),
     n_ubatch: _L = _engine("-ub", "--ubatch-size", help="physical batch size (default: 512)"),
     n_threads: _L = _engine("-t", "--threads", help="CPU threads (default: torch's)"),
-    n_gpu_layers: _L = _engine("-ngl", "--n-gpu-layers", help="blocks on the GPU, -1 = all (default: -1)"),
     devices: _L = _engine("-dev", "--device", help="auto | cpu | cuda | cuda:N (default: auto)"),
-    flash_attn: _L = _engine("-fa", "--flash-attn", help="on | off | auto: recorded only, torch SDPA picks its kernel "
-                             "(default: auto)"),
+    flash_attn: _L = _engine("-fa", "--flash-attn", help="on | off | auto: recorded in the rows, no effect: "
+                             f"{NO_EFFECT['-fa']} (default: auto)"),
     spec_type: _L = _spec("--spec-type", help="drafter chains to sweep: a comma list is one chain as in every "
                           "command (ngram-mod,draft-simple); ';' or a repeated flag starts the next value"),
     model_draft: _L = _spec("-md", "--model-draft", help="draft models (alone: sweeps draft-simple)"),
@@ -150,6 +150,14 @@ def bench(
         if fmt is not None and fmt not in OUTPUT_FORMATS:
             raise UsageError(f"{name} must be one of {', '.join(OUTPUT_FORMATS)}")
     params = from_flags(flags)
+    if any(fa != -1 for fa in params.flash_attn):
+        warn_no_effect("-fa", NO_EFFECT["-fa"])
+    for flag, values, devices, which in (
+            ("-ngl", params.n_gpu_layers, params.devices, "the model"),
+            ("-ngld", params.n_gpu_layers_draft, [dd or d for dd in params.devices_draft for d in params.devices],
+             "the draft model")):
+        if any(parse_device(d).type == "cpu" for d in devices):
+            warn_cpu_layers(flag, values, "cpu", which)
     from spec_cli.bench.compare import compare, format_comparison, has_regression, load_results
     from spec_cli.bench.printers import format_rows
 

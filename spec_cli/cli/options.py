@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
 import typer
 
-from spec_cli.engine import EngineOptions
+from spec_cli.engine import GPU_LAYERS_ALL, EngineOptions, parse_gpu_layers
 from spec_cli.errors import UsageError
+from spec_cli.loader import parse_device
 from spec_cli.sampling import SamplingParams
 from spec_cli.speculative.adaptive import draft_bound, parse_draft_max
 from spec_cli.speculative.base import SpecParams
@@ -43,7 +46,8 @@ MODEL = ("Model and context", [
     Opt("batch_size", int, 2048, ("-b", "--batch-size"), "logical batch size (max rows per decode)"),
     Opt("ubatch_size", int, 512, ("-ub", "--ubatch-size"), "physical batch size (rows per forward)"),
     Opt("threads", Optional[int], None, ("-t", "--threads"), "CPU threads (default: torch's)"),
-    Opt("n_gpu_layers", int, -1, ("-ngl", "--n-gpu-layers", "--gpu-layers"), "blocks on the GPU, last first (-1 = all)"),
+    Opt("n_gpu_layers", str, GPU_LAYERS_ALL, ("-ngl", "--n-gpu-layers", "--gpu-layers"),
+        "blocks on the GPU, last first: N, or auto | all | -1 = every block"),
     Opt("device", str, "auto", ("-dev", "--device"), "auto | cpu | cuda | cuda:N"),
     Opt("dtype", str, "auto", ("--dtype",),
         "auto (q on the CPU, bf16 on CUDA) | q (GGUF weights kept quantized on the CPU, 3-4x faster than f32) | f32 | f16 | bf16"),
@@ -62,19 +66,36 @@ SAMPLING = ("Sampling", [
     Opt("ignore_eos", bool, False, ("--ignore-eos",), "keep generating past end-of-generation tokens"),
 ])
 
+# llama.cpp flags accepted so that its command lines work, and why they change nothing here (a warning says so)
+NO_EFFECT = {
+    "-cd": "the draft context always has the target's size (as in llama.cpp since #22554)",
+    "-td": "the draft model runs on the target's threads (-t): torch and spec-cli's kernels keep one pool, and "
+           "resizing it around every draft call would cost more than it saves",
+    "-fa": "attention runs in spec-cli's kernels on the CPU and in torch's SDPA on CUDA, which picks its own algorithm",
+}
+
+
+def warn_no_effect(flag: str, why: str) -> None:
+    print(f"warning: {flag} has no effect: {why}", file=sys.stderr)
+
+
 SPEC = ("Speculative decoding", [
     Opt("spec_type", Optional[list[str]], None, ("--spec-type",),
         "drafters, comma list, repeatable: none, draft-simple|draft, draft-mtp|mtp, ngram-simple, ngram-map-k, "
         "ngram-map-k4v, ngram-mod, ngram-cache"),
+    Opt("spec_default", bool, False, ("--spec-default",),
+        "llama.cpp's default speculative config: ngram-mod with its --spec-ngram-mod-* settings (added to any "
+        "--spec-type chain)"),
     Opt("model_draft", Optional[str], None, ("-md", "--model-draft", "--spec-draft-model"),
         "draft model (GGUF or name); alone it enables draft-simple"),
-    Opt("n_gpu_layers_draft", int, -1, ("-ngld", "--n-gpu-layers-draft", "--gpu-layers-draft", "--spec-draft-ngl"),
-        "draft blocks on the GPU (-1 = all)"),
+    Opt("n_gpu_layers_draft", str, GPU_LAYERS_ALL, ("-ngld", "--n-gpu-layers-draft", "--gpu-layers-draft",
+                                                    "--spec-draft-ngl"),
+        "draft blocks on the GPU: N, or auto | all | -1 = every block"),
     Opt("device_draft", Optional[str], None, ("-devd", "--device-draft", "--spec-draft-device"),
         "draft device (default: the target's; none = cpu)"),
-    Opt("ctx_size_draft", int, 0, ("-cd", "--ctx-size-draft"), "ignored: the draft context equals the target's"),
+    Opt("ctx_size_draft", int, 0, ("-cd", "--ctx-size-draft"), f"no effect: {NO_EFFECT['-cd']}"),
     Opt("threads_draft", Optional[int], None, ("-td", "--threads-draft", "--spec-draft-threads"),
-        "accepted for compatibility: torch uses one thread pool"),
+        f"no effect: {NO_EFFECT['-td']}"),
     Opt("draft_max", str, "auto", ("--draft-max", "--draft", "--draft-n", "--spec-draft-n-max"),
         "max draft tokens per step (N), or auto: per step the length that maximizes expected tokens/s from the "
         "measured verify cost and each drafter's acceptance (at most 16)"),
@@ -143,7 +164,7 @@ def spec_params(opts: dict) -> SpecParams:
         raise UsageError("--spec-verify must be auto, match or rejection")
     fields = {f for f in SpecParams.__dataclass_fields__ if f in opts} - {"draft_max"}
     params = SpecParams(**{f: opts[f] for f in fields}, draft_max=draft_max, adaptive=adaptive)
-    params.types = parse_spec_types(opts["spec_type"])
+    params.types = parse_spec_types((opts["spec_type"] or []) + (["ngram-mod"] if opts["spec_default"] else []))
     params.verify = opts["spec_verify"]
     return params
 
@@ -171,12 +192,30 @@ def registry_defaults(model: str | None, spec: SpecParams, draft: str | None, sp
         default = entry and (entry.default_spec_type or ("draft-simple" if entry.draft else None))
         if not default:
             which = f"{entry.name} lists" if entry else "a GGUF path has"
-            raise UsageError(f"nothing to speculate with: give --spec-type TYPES or -md DRAFT ({which} no draft or "
-                             "default_spec_type in models.toml)")
+            raise UsageError(f"nothing to speculate with: give --spec-type TYPES, -md DRAFT or --spec-default ({which} "
+                             "no draft or default_spec_type in models.toml)")
         spec.types = parse_spec_types(default)
     if "draft-simple" in spec.types and not draft and entry is not None:
         return entry.draft
     return draft
+
+
+def warn_ignored(opts: dict, n_gpu_layers: int, n_gpu_layers_draft: int) -> None:
+    """A warning per llama.cpp flag given a value that changes nothing here: -cd, -td, and -ngl / -ngld for a model
+    that runs on the CPU (no CUDA, or -dev cpu)."""
+    for flag, name in (("-cd", "ctx_size_draft"), ("-td", "threads_draft")):
+        if opts.get(name):
+            warn_no_effect(flag, NO_EFFECT[flag])
+    warn_cpu_layers("-ngl", [n_gpu_layers], opts["device"], "the model")
+    warn_cpu_layers("-ngld", [n_gpu_layers_draft], opts.get("device_draft") or opts["device"], "the draft model")
+
+
+def warn_cpu_layers(flag: str, values: list[int], device: str, which: str) -> None:
+    """-ngl / -ngld N change nothing for a model on the CPU (no CUDA, or -dev / -devd cpu); -1 is the default."""
+    given = [str(n) for n in dict.fromkeys(values) if n != -1]
+    if given and parse_device(device).type == "cpu":
+        why = "its device is the CPU" if torch.cuda.is_available() else "no CUDA device"
+        warn_no_effect(f"{flag} {','.join(given)}", f"{which} runs on the CPU ({why})")
 
 
 def engine_options(opts: dict, n_seq: int = 1, speculative: bool = False) -> EngineOptions:
@@ -187,12 +226,15 @@ def engine_options(opts: dict, n_seq: int = 1, speculative: bool = False) -> Eng
             raise UsageError(f"{flag} must be positive")
     spec = spec_params(opts) if "spec_type" in opts else SpecParams()
     draft = registry_defaults(opts["model"], spec, opts.get("model_draft"), speculative)
+    n_gpu_layers = parse_gpu_layers(opts["n_gpu_layers"], "-ngl")
+    n_gpu_layers_draft = parse_gpu_layers(opts.get("n_gpu_layers_draft", GPU_LAYERS_ALL), "-ngld")
+    warn_ignored(opts, n_gpu_layers, n_gpu_layers_draft if draft else -1)
     return EngineOptions(
         model=fetch_model(opts["model"]), model_draft=fetch_model(draft) if draft else None, n_ctx=opts["ctx_size"],
         n_batch=opts["batch_size"], n_ubatch=opts["ubatch_size"], n_seq=n_seq, threads=opts["threads"],
         device=opts["device"],
-        n_gpu_layers=opts["n_gpu_layers"], device_draft=opts.get("device_draft"),
-        n_gpu_layers_draft=opts.get("n_gpu_layers_draft", -1), dtype=opts["dtype"],
+        n_gpu_layers=n_gpu_layers, device_draft=opts.get("device_draft"), n_gpu_layers_draft=n_gpu_layers_draft,
+        dtype=opts["dtype"],
         spec=spec,
     )
 
