@@ -129,28 +129,39 @@ def _set_quantized(module: nn.Module, path: str, gf: GGUFFile, name: str) -> boo
     return True
 
 
+def weight_format(dtype: str, devices: list[torch.device]) -> tuple[bool, torch.dtype]:
+    """`--dtype` for a model whose blocks and output layer live on `devices`: (keep the linear weights of CPU-resident
+    layers quantized (qlinear.py), the float dtype of activations and of unquantized weights).
+
+    "q" and "auto" keep every CPU-resident layer quantized, under partial offload (-ngl N < blocks on CUDA) too, where
+    dequantized bf16 weights would make the CPU layers slow; the whole model then computes in float32, the CPU
+    kernels' dtype, because activations cross between the devices in one dtype. With no layer on the CPU they mean
+    bf16 on CUDA."""
+    if dtype in ("q", "auto") and any(d.type == "cpu" for d in devices):
+        return True, torch.float32
+    return False, parse_dtype("auto" if dtype == "q" else dtype, devices[-1])
+
+
 def load_model(
     path: str | Path, device: str | None = "auto", n_gpu_layers: int = -1, dtype: str = "auto"
 ) -> LoadedModel:
-    """`dtype` "q" keeps the weights of CPU-resident linear layers quantized (qlinear.py), activations float32;
-    layers on a GPU then take the float dtype `auto` gives there. "auto" is "q" when the main device is the CPU (3-4x
-    faster than f32 there, llama.cpp parity within tests/test_parity.py's tolerance) and bf16 on CUDA."""
+    """Weights per `weight_format`: "auto" keeps CPU-resident layers quantized (3-4x faster than f32 there, llama.cpp
+    parity within tests/test_parity.py's tolerance) and is bf16 on CUDA."""
     t0 = time.perf_counter()
     gf = GGUFFile(path)
     cfg = ModelConfig.from_gguf(gf)
-    main_device = parse_device(device)
-    quantize = dtype == "q" or (dtype == "auto" and main_device.type == "cpu")  # kept quantized (qlinear.py)
+    devices, output_device = layer_devices(cfg.n_layer_main, parse_device(device), n_gpu_layers)
+    quantize, torch_dtype = weight_format(dtype, devices + [output_device])
     if quantize and not kernels.available():
         if dtype == "q":
             raise SpecCliError(f"--dtype q needs spec-cli's compiled kernels: {kernels.why_unavailable()}")
         _warn_once(f"spec-cli: {kernels.why_unavailable()}; computing with float32 weights (slower, and batch "
                    "composition can change greedy output)")
         quantize = False
-    torch_dtype = parse_dtype("auto" if quantize else dtype, main_device)
     with torch.device("meta"):
         model = Transformer(cfg)
     model.dtype = torch_dtype
-    model.layer_devices, model.output_device = layer_devices(cfg.n_layer_main, main_device, n_gpu_layers)
+    model.layer_devices, model.output_device = devices, output_device
     embd_device = model.layer_devices[0]
 
     def fetch(name: str, dev: torch.device, keep_dtype: bool = False) -> torch.Tensor:
