@@ -304,7 +304,7 @@ class Transformer(nn.Module):
             x = layer(x.to(device), p, ropes[layer.swa], k_cache, v_cache)
         return x
 
-    def logits(self, hidden: torch.Tensor, output: nn.Module | None = None) -> torch.Tensor:
-        """hidden [..., D] (pre-norm) -> logits [..., V] in float32; through `output` (rows of self.output) when given."""
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., D] (pre-norm) -> logits [..., V] in float32."""
         h = hidden.to(self.output_device)
-        return (output or self.output)(self.norm(h)).float()
+        return self.output(self.norm(h)).float()
