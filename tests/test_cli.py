@@ -3,6 +3,7 @@ statistics, chat mode, and speculation that does not change greedy output."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import sys
@@ -11,9 +12,11 @@ import pytest
 import torch
 
 from spec_cli.cli import main
+from spec_cli.cli.run import chat_loop
 from spec_cli.cli.options import NO_EFFECT
-from spec_cli.engine import parse_gpu_layers
+from spec_cli.engine import EngineOptions, build_engine, parse_gpu_layers
 from spec_cli.errors import UsageError
+from spec_cli.sampling import SamplingParams
 
 PROMPT = "abc abc abc abc abc abc abc abc"
 
@@ -174,3 +177,28 @@ def test_spec_default_is_llamacpps_ngram_mod(capsys, monkeypatch, tiny_model_pat
         code, out, err = cli(capsys, monkeypatch, "speculative-simple", *base, *extra)
         assert code == 0, err
         assert [d["name"] for d in json.loads(out)["drafters"]] == drafters
+
+
+def test_chat_note_starts_its_own_line(monkeypatch, tiny_model_path):
+    """-cnv on a terminal: the reply streams to stdout, the token-count note to stderr; on the terminal they share,
+    the note must not land on the reply's line."""
+    terminal = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    monkeypatch.setattr(sys, "stderr", terminal)
+    monkeypatch.setattr("builtins.input", lambda prompt: (_ for _ in ()).throw(EOFError))
+    engine = build_engine(EngineOptions(model=str(tiny_model_path), device="cpu"))
+    chat_loop(engine, "hello", SamplingParams(temp=0.0), {"chat_template": None, "n_predict": 6})
+    *reply, note, end = terminal.getvalue().split("\n")
+    assert note == "6 tokens" and end == "" and "".join(reply)
+
+
+@pytest.mark.parametrize("log_format", ["text", "table"])
+def test_lookup_log_format(capsys, monkeypatch, tiny_model_path, log_format):
+    code, out, err = cli(capsys, monkeypatch, "lookup", "-m", str(tiny_model_path), "-p", PROMPT, "-n", "8", "--temp",
+                         "0", "--log-format", log_format)
+    assert code == 0, err
+    text_lines = ("encoded", "decoded", "n_draft      = auto", "n_predict    = 8", "n_drafted    =", "t_draft_flat =",
+                  "t_draft      =", "n_accept     =", "accept       =", "load time =")
+    assert all((line in err) is (log_format == "text") for line in text_lines), err
+    code, _, err = cli(capsys, monkeypatch, "lookup", "-m", str(tiny_model_path), "-p", PROMPT, "--log-format", "xml")
+    assert code == 2 and "--log-format must be table or text" in err

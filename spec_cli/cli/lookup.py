@@ -16,8 +16,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from spec_cli.cli.common import TextCollector, TextStream, prompt_tokens, read_prompt, run_once
-from spec_cli.cli.options import MODEL, PROMPT, SAMPLING, SPEC, engine_options, pick, sampling_params, with_options
-from spec_cli.cli.output import print_json, run_table, stderr
+from spec_cli.cli.options import (
+    LOG, MODEL, PROMPT, SAMPLING, SPEC, engine_options, pick, sampling_params, text_log, with_options,
+)
+from spec_cli.cli.output import print_json, print_lookup_text_log, run_table, stderr
 from spec_cli.engine import build_engine
 from spec_cli.errors import UsageError
 from spec_cli.lookup import (
@@ -34,12 +36,13 @@ CACHES = pick(SPEC, "lookup_cache_static", "lookup_cache_dynamic")
 MODEL_ONLY = pick(MODEL, "model")
 
 
-@with_options(MODEL, PROMPT, SAMPLING, DRAFT_MAX, CACHES)
+@with_options(MODEL, PROMPT, LOG, SAMPLING, DRAFT_MAX, CACHES)
 def lookup(
     opts: dict,
     color: bool = typer.Option(False, "--color", help="show tokens that came from accepted drafts in green"),
 ) -> None:
     """Lookup decoding: n-gram cache drafting from the prompt, -lcd and -lcs (llama-lookup); saves -lcd."""
+    text_lines = text_log(opts)
     draft_max, adaptive = draft_bound(parse_draft_max(opts["draft_max"]))
     text = read_prompt(opts)
     sampling = sampling_params(opts)
@@ -60,6 +63,9 @@ def lookup(
         print_json(summary)
         return
     sys.stdout.write("\n")
+    if text_lines:
+        print_lookup_text_log(summary)
+        return
     stderr.print()
     stderr.print(run_table(summary))
     stderr.print(figures_table("lookup", summary))

@@ -254,3 +254,14 @@ PROMPT = ("Prompt and output", [
     Opt("chat_template", Optional[str], None, ("--chat-template",), "override the chat template (jinja or chatml|gemma)"),
     Opt("json_output", bool, False, ("--json",), "print one JSON object (text, timings, statistics) instead of streaming"),
 ])
+
+LOG = ("Prompt and output", [
+    Opt("log_format", str, "table", ("--log-format",), "end-of-run statistics: table (rich) | text (llama.cpp's lines)"),
+])
+
+
+def text_log(opts: dict) -> bool:
+    """--log-format: whether llama.cpp's text lines were asked for instead of rich tables."""
+    if opts["log_format"] not in ("table", "text"):
+        raise UsageError("--log-format must be table or text")
+    return opts["log_format"] == "text"

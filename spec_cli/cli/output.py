@@ -78,15 +78,31 @@ def print_summary(d: dict) -> None:
 
 def print_text_log(d: dict) -> None:
     """llama-speculative-simple's end-of-run lines."""
+    stats = ""
+    if "n_drafted" in d:
+        stats = (f"n_draft   = {d['n_draft']}\nn_predict = {d['predicted_n']}\nn_drafted = {d['n_drafted']}\n"
+                 f"n_accept  = {d['n_accept']}\naccept    = {d['accept']:.3f}%\n\ndraft:\n\n")
+        for s in d["drafters"]:
+            st = DrafterStats(**{k: v for k, v in s.items() if k in DrafterStats.__dataclass_fields__})
+            stats += st.format_line() + "\n"
+    _text_log(d, stats)
+
+
+def print_lookup_text_log(d: dict) -> None:
+    """llama-lookup's end-of-run lines."""
+    _text_log(d, f"n_draft      = {d['n_draft']}\nn_predict    = {d['n_predict']}\nn_drafted    = {d['n_drafted']}\n"
+                 f"t_draft_flat = {d['t_draft_flat_ms']:.2f} ms\n"
+                 f"t_draft      = {d['t_draft_ms']:.2f} ms, {d['t_draft_us_per_token']:.2f} us per token, "
+                 f"{d['draft_tokens_per_second']:.2f} tokens per second\n"
+                 f"n_accept     = {d['n_accept']}\naccept       = {d['accept']:.3f}%\n")
+
+
+def _text_log(d: dict, stats: str) -> None:
+    """The speeds, a tool's own statistics, the target's load time: llama.cpp's examples end this way."""
     w = sys.stderr.write
     w("\n")
     w(f"encoded {d['prompt_n']:4d} tokens in {d['prompt_ms'] / 1e3:8.3f} seconds, speed: {d['prompt_per_second']:8.3f} t/s\n")
     w(f"decoded {d['predicted_n']:4d} tokens in {d['predicted_ms'] / 1e3:8.3f} seconds, "
       f"speed: {d['predicted_per_second']:8.3f} t/s\n\n")
-    if "n_drafted" in d:
-        w(f"n_draft   = {d['n_draft']}\nn_predict = {d['predicted_n']}\nn_drafted = {d['n_drafted']}\n"
-          f"n_accept  = {d['n_accept']}\naccept    = {d['accept']:.3f}%\n\ndraft:\n\n")
-        for s in d["drafters"]:
-            stats = DrafterStats(**{k: v for k, v in s.items() if k in DrafterStats.__dataclass_fields__})
-            w(stats.format_line() + "\n")
+    w(stats)
     w(f"\ntarget:\n\nload time = {d['load_ms']:10.2f} ms\n")

@@ -63,6 +63,7 @@ def chat_loop(engine, first: str | None, sampling, opts: dict) -> None:
         sink = TextStream(engine)
         seq = generate(gen, tokens, sampling, opts["n_predict"], on_emit=sink, n_cached=n_cached)
         reply = sink.close()
+        sys.stdout.write("\n")  # end the reply's line: the note goes to stderr, on the same terminal
         cached = seq.tokens
         messages.append({"role": "assistant", "content": reply})
         stderr.print(f"[dim]{seq.n_generated} tokens[/dim]")

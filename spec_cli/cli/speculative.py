@@ -12,21 +12,20 @@ import sys
 import typer
 
 from spec_cli.cli.common import TextCollector, TextStream, prompt_tokens, read_prompt, run_once
-from spec_cli.cli.options import MODEL, PROMPT, SAMPLING, SPEC, engine_options, sampling_params, with_options
+from spec_cli.cli.options import (
+    LOG, MODEL, PROMPT, SAMPLING, SPEC, engine_options, sampling_params, text_log, with_options,
+)
 from spec_cli.cli.output import print_json, print_summary, print_text_log
 from spec_cli.engine import build_engine
-from spec_cli.errors import UsageError
 
 
-@with_options(MODEL, PROMPT, SAMPLING, SPEC)
+@with_options(MODEL, PROMPT, LOG, SAMPLING, SPEC)
 def speculative_simple(
     opts: dict,
     color: bool = typer.Option(False, "--color", help="show tokens that came from accepted drafts in green"),
-    log_format: str = typer.Option("table", "--log-format", help="table (rich) | text (llama.cpp's lines)"),
 ) -> None:
     """Speculative decoding of one prompt with end-of-run statistics (llama-speculative-simple)."""
-    if log_format not in ("table", "text"):
-        raise UsageError("--log-format must be table or text")
+    text_lines = text_log(opts)
     text = read_prompt(opts)
     sampling = sampling_params(opts)
     engine = build_engine(engine_options(opts, speculative=True))
@@ -40,4 +39,4 @@ def speculative_simple(
         print_json(summary)
         return
     sys.stdout.write("\n")
-    (print_text_log if log_format == "text" else print_summary)(summary)
+    (print_text_log if text_lines else print_summary)(summary)
