@@ -295,6 +295,7 @@ def _spec_tests(p: BenchParams, model: str) -> list[Test]:
             types = chain_types(values["spec_type"])
             if "draft-simple" not in types:  # settings a chain does not read make no duplicate runs
                 values.update({f: Test.__dataclass_fields__[f].default for f in DRAFT_MODEL_FIELDS})
+            # the n-gram settings of the chain's own drafters (ngram_mod_n_match belongs to ngram-mod)
             ngram = [f for f in NGRAM_FIELDS if f.startswith(tuple(t.replace("-", "_") + "_" for t in types))]
             for ngram_case in itertools.product(*(p.ngram[f] for f in ngram)):
                 test = Test("spec", n_gen=n_gen, prompt_set=prompt_set, temp=temp, **values,

@@ -228,14 +228,12 @@ def engine_options(opts: dict, n_seq: int = 1, speculative: bool = False) -> Eng
     draft = registry_defaults(opts["model"], spec, opts.get("model_draft"), speculative)
     n_gpu_layers = parse_gpu_layers(opts["n_gpu_layers"], "-ngl")
     n_gpu_layers_draft = parse_gpu_layers(opts.get("n_gpu_layers_draft", GPU_LAYERS_ALL), "-ngld")
-    warn_ignored(opts, n_gpu_layers, n_gpu_layers_draft if draft else -1)
+    warn_ignored(opts, n_gpu_layers, n_gpu_layers_draft if draft else -1)  # -ngld places a draft model only
     return EngineOptions(
         model=fetch_model(opts["model"]), model_draft=fetch_model(draft) if draft else None, n_ctx=opts["ctx_size"],
         n_batch=opts["batch_size"], n_ubatch=opts["ubatch_size"], n_seq=n_seq, threads=opts["threads"],
-        device=opts["device"],
-        n_gpu_layers=n_gpu_layers, device_draft=opts.get("device_draft"), n_gpu_layers_draft=n_gpu_layers_draft,
-        dtype=opts["dtype"],
-        spec=spec,
+        device=opts["device"], n_gpu_layers=n_gpu_layers, device_draft=opts.get("device_draft"),
+        n_gpu_layers_draft=n_gpu_layers_draft, dtype=opts["dtype"], spec=spec,
     )
 
 
