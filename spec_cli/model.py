@@ -223,6 +223,7 @@ class Block(nn.Module):
         G, T, D = x.shape
         base = cfg.rope_base_swa if self.swa else cfg.rope_base
         rope = rope_table(cfg.rope_dim, base, cfg.rope_scale, plan.n_kv)
+        desc.window = (cfg.sliding_window or 0) if self.swa else 0  # per call, like the rope base (swa is settable)
         out = kernels.block(desc, x.reshape(G * T, D).contiguous(), rope, plan.row_seq, plan.row_pos, plan.row_write,
                             k_cache, v_cache)
         return out.view(G, T, D)
@@ -244,8 +245,7 @@ class Block(nn.Module):
             cfg = attn.cfg
             desc = kernels.BlockDesc(
                 cfg.n_embd, ffn.gate_up.sizes[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rope_dim,
-                cfg.rope_type == "neox", ffn.gelu, cfg.rms_eps, cfg.attn_scale,
-                (cfg.sliding_window or 0) if self.swa else 0,
+                cfg.rope_type == "neox", ffn.gelu, cfg.rms_eps, cfg.attn_scale, 0,  # window: set per call
                 *(n.data_ptr() if n is not None else None for n in norms), *(p.desc for p in projections))
         self._kernel_desc = (parts, desc)
         return desc
