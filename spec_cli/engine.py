@@ -156,4 +156,4 @@ def build_chain(engine: Engine) -> Chain | None:
             drafters.append(NGRAM_DRAFTERS[name](spec, n_seq))
     if not drafters:
         return None
-    return Chain(drafters, n_seq, Planner(engine.costs, spec.draft_max) if spec.adaptive else None)
+    return Chain(drafters, n_seq, Planner(engine.costs, spec.draft_max) if spec.adaptive else None, spec.select)

@@ -135,6 +135,11 @@ def test_speculative_cases_follow_their_plain_run():
     assert [t.prompt_set for t in tests].index("chat") == 7
 
 
+def test_chain_selection_is_a_sweep_axis():
+    p = from_flags({"spec_type": ["ngram-simple,ngram-cache"], "spec_select": ["priority,gain"], "n_gen": ["8"]})
+    assert [i.test.spec_select for i in instances(p)] == ["priority", "priority", "gain"]  # the plain run first
+
+
 def test_from_flags_selects_test_kinds():
     plain = from_flags({})
     assert plain.random_tests and not plain.speculative and plain.n_prompt == [512] and plain.n_gen == [128]
@@ -153,6 +158,7 @@ def test_from_flags_selects_test_kinds():
     ({"n_batch": ["0"]}, "n_batch"),
     ({"draft_p_min": ["1.5"]}, "p-min"),
     ({"spec_verify": ["sometimes"]}, "spec-verify"),
+    ({"spec_select": ["best"]}, "spec-select"),
     ({"repetitions": 0}, "-r"),
     ({"spec_type": ["ngram-mod"], "n_gen": ["0"]}, "-n"),
     ({"temp": ["hot"]}, "--temp"),

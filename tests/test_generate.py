@@ -67,12 +67,29 @@ def test_greedy_speculation_equals_plain_one_sequence(tiny_model_path, tiny_draf
     assert_greedy_equals_plain(make_engine(tiny_model_path, chain, draft=tiny_draft_path), plain_outputs)
 
 
+GAIN_CHAINS = ["ngram-simple,ngram-map-k,ngram-mod,ngram-cache", "ngram-simple,ngram-cache,draft-simple"]
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "auto"])
+@pytest.mark.parametrize("chain", GAIN_CHAINS)
+def test_gain_selection_equals_plain_and_picks_among_proposals(tiny_model_path, tiny_draft_path, plain_outputs,
+                                                               chain, adaptive):
+    """--spec-select gain: every n-gram drafter proposes, one proposal per step is verified; the output stays plain
+    greedy's, and some n-gram drafter proposed drafts that another's beat (proposed > verified)."""
+    engine = make_engine(tiny_model_path, chain, draft=tiny_draft_path, select="gain", adaptive=adaptive)
+    assert_greedy_equals_plain(engine, plain_outputs)
+    stats = engine.chain.stats.values()
+    assert any(st.n_proposed > st.n_gen_drafts for st in stats if st.name != "draft-simple")
+    assert all(st.n_proposed >= st.n_gen_drafts for st in stats)
+
+
 @pytest.mark.parametrize("chain", ["ngram-mod", "draft-simple", "ngram-simple,ngram-cache,draft-simple"])
 @pytest.mark.parametrize("defer_max", [draft_model.DEFER_MAX, 0])  # 0: the draft model catches up in process()
+@pytest.mark.parametrize("select", ["priority", "gain"])
 def test_greedy_speculation_equals_plain_four_sequences(tiny_model_path, tiny_draft_path, plain_outputs, chain,
-                                                        defer_max, monkeypatch):
+                                                        defer_max, select, monkeypatch):
     monkeypatch.setattr(draft_model, "DEFER_MAX", defer_max)
-    engine = make_engine(tiny_model_path, chain, draft=tiny_draft_path, n_seq=4)
+    engine = make_engine(tiny_model_path, chain, draft=tiny_draft_path, n_seq=4, select=select)
     gen = engine.generator()
     outs: dict[int, list[int]] = {seq: [] for seq in range(len(PROMPTS))}
     for seq, prompt in enumerate(PROMPTS):

@@ -25,7 +25,7 @@ SHAPE_FIELDS = ("test", "n_prompt", "n_gen", "n_depth")
 # drafter it is named after: empty on rows whose chain lacks that drafter
 NGRAM_FIELDS = tuple(f for f in SpecParams.__dataclass_fields__ if f.startswith("ngram_"))
 CASE_FIELDS = ("temp", "spec_type", "model_draft", "n_gpu_layers_draft", "devices_draft", "draft_max", "draft_min",
-               "draft_p_min", "spec_verify") + NGRAM_FIELDS + ("warm",)
+               "draft_p_min", "spec_verify", "spec_select") + NGRAM_FIELDS + ("warm",)
 SPEC_FIELDS = ("prompt_set", "n_prompts") + CASE_FIELDS + (
     "n_drafted", "n_accepted", "n_steps", "acceptance", "mean_acc_len", "tokens_per_step", "acc_per_pos", "prompt_ns",
     "draft_ms", "verify_ms", "speedup")

@@ -29,7 +29,7 @@ from spec_cli.errors import UsageError
 from spec_cli.models import registry_entry
 from spec_cli.speculative.adaptive import AUTO, parse_draft_max
 from spec_cli.speculative.base import SpecParams
-from spec_cli.speculative.chain import parse_spec_types
+from spec_cli.speculative.chain import check_select, parse_spec_types
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+)(?:([+*])(\d+))?)?$")
 FLASH_ATTN = {"auto": -1, "-1": -1, "off": 0, "0": 0, "false": 0, "on": 1, "1": 1, "true": 1}
@@ -40,7 +40,8 @@ VERIFY_MODES = ("auto", "match", "rejection")
 ENGINE_FIELDS = ("model", "dtype", "n_gpu_layers", "devices", "n_batch", "n_ubatch", "flash_attn", "n_threads")
 # speculative case parameters, outermost first; the draft model's are read by draft-simple only
 DRAFT_MODEL_FIELDS = ("model_draft", "n_gpu_layers_draft", "devices_draft")
-SPEC_FIELDS = ("spec_type",) + DRAFT_MODEL_FIELDS + ("draft_max", "draft_min", "draft_p_min", "spec_verify")
+SPEC_FIELDS = ("spec_type",) + DRAFT_MODEL_FIELDS + ("draft_max", "draft_min", "draft_p_min", "spec_verify",
+                                                     "spec_select")
 
 
 def parse_values(text: str) -> list[int]:
@@ -177,6 +178,7 @@ class BenchParams:
     draft_min: list[int] = field(default_factory=lambda: [SpecParams.draft_min])
     draft_p_min: list[float] = field(default_factory=lambda: [SpecParams.draft_p_min])
     spec_verify: list[str] = field(default_factory=lambda: ["auto"])
+    spec_select: list[str] = field(default_factory=lambda: [SpecParams.select])
     ngram: dict[str, list[int]] = field(default_factory=lambda: {f: [getattr(SpecParams, f)] for f in NGRAM_FIELDS})
     temp: list[float] = field(default_factory=lambda: [0.0])  # greedy by default: reproducible, lossless speculation
     prompt_sets: list[str] = field(default_factory=list)  # built-in set names or .jsonl paths
@@ -208,6 +210,8 @@ class BenchParams:
             raise UsageError("--draft-p-min values must be in [0, 1]")
         if any(v not in VERIFY_MODES for v in self.spec_verify):
             raise UsageError(f"--spec-verify values must be one of {', '.join(VERIFY_MODES)}")
+        for value in self.spec_select:
+            check_select(value)
         if self.repetitions < 1:
             raise UsageError("-r must be at least 1")
         if self.verify_cost < 0:
@@ -235,6 +239,7 @@ class Test:
     draft_min: int = 0
     draft_p_min: float = 0.0
     spec_verify: str = "auto"
+    spec_select: str = SpecParams.select
     ngram: tuple[tuple[str, int], ...] = ()  # (NGRAM_FIELDS name, value) of the chain's n-gram drafters only
 
 
@@ -350,6 +355,7 @@ def from_flags(flags: dict) -> BenchParams:
         draft_min=parse_int_list(flags.get("draft_min"), d.draft_min, "--draft-min"),
         draft_p_min=parse_float_list(flags.get("draft_p_min"), d.draft_p_min, "--draft-p-min"),
         spec_verify=parse_str_list(flags.get("spec_verify"), d.spec_verify),
+        spec_select=parse_str_list(flags.get("spec_select"), d.spec_select),
         ngram={f: parse_int_list(flags.get(f), d.ngram[f], "--spec-" + f.replace("_", "-")) for f in NGRAM_FIELDS},
         temp=parse_float_list(flags.get("temp"), d.temp, "--temp"),
         prompt_sets=prompt_sets or (["code-edit"] if spec_type else []),

@@ -20,11 +20,11 @@ SQL_TABLE = "llama_bench"  # llama-bench's, so that queries written for its tabl
 _MD_PARAMS = {"n_gpu_layers": ("ngl", 3), "n_threads": ("threads", 7), "n_batch": ("n_batch", 7),
               "n_ubatch": ("n_ubatch", 8), "flash_attn": ("fa", 3), "devices": ("devices", -8),
               "model_draft": ("model_draft", -12), "n_gpu_layers_draft": ("ngld", 4), "devices_draft": ("devd", -6),
-              "spec_verify": ("spec_verify", -12)}
+              "spec_verify": ("spec_verify", -12), "spec_select": ("spec_select", -12)}
 _DEFAULTS = {"n_gpu_layers": -1, "n_batch": 2048, "n_ubatch": 512, "flash_attn": -1, "devices": "auto",
              "temp": 0.0, "warm": False, "model_draft": "", "n_gpu_layers_draft": -1, "devices_draft": "",
              **{f: getattr(SpecParams, f) for f in ("draft_min", "draft_p_min", *NGRAM_FIELDS)},
-             "spec_verify": "auto"}
+             "spec_verify": "auto", "spec_select": SpecParams.select}
 
 
 def format_rows(rows: list[dict], fmt: str) -> str:
@@ -111,7 +111,7 @@ def _spec_table(rows: list[dict]):
     speculative = [r for r in rows if r["spec_type"] != "none"]  # drafting settings mean nothing on plain rows
     optional = [f for f in ("temp", "warm") if _shown(rows, f)] + [
         f for f in ("model_draft", "n_gpu_layers_draft", "devices_draft", "draft_min", "draft_p_min", "spec_verify",
-                    *NGRAM_FIELDS) if _shown(speculative, f)]
+                    "spec_select", *NGRAM_FIELDS) if _shown(speculative, f)]
     cols = ([("model", -30), ("backend", -7), ("device", -6), ("dtype", -5)] + [_MD_PARAMS[f] for f in extra]
             + [("test", -16), ("spec_type", -24)] + [_MD_PARAMS.get(f, (f, max(len(f), 6))) for f in optional]
             + [("draft_max", 9), ("acc %", 6), ("acc len", 7), ("acc/pos", -24), ("t/s", 20), ("speedup", 7)])

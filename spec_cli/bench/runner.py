@@ -359,7 +359,7 @@ def run_spec(model: BenchModel, draft: BenchModel | None, inst: Instance, head: 
     prompts = [render_tokens(p, model.tokenizer) for p in prompt_set.prompts]
     draft_max, adaptive = draft_bound(t.draft_max)
     spec = SpecParams(types=types, draft_max=draft_max, adaptive=adaptive, draft_min=t.draft_min,
-                      draft_p_min=t.draft_p_min, verify=t.spec_verify, **dict(t.ngram))
+                      draft_p_min=t.draft_p_min, verify=t.spec_verify, select=t.spec_select, **dict(t.ngram))
     opts = EngineOptions(n_ctx=max(len(p) for p in prompts) + t.n_gen + draft_max + 2, n_batch=inst.n_batch,
                          n_ubatch=inst.n_ubatch, spec=spec)
     engine = assemble_engine(opts, model.loaded, model.tokenizer, draft.loaded if draft else None)
@@ -422,7 +422,8 @@ def _spec_fields(t: Test, params: BenchParams, set_name: str, n_prompts: int, ta
         "prompt_set": set_name, "n_prompts": n_prompts, "temp": t.temp, "spec_type": t.spec_type,
         "model_draft": t.model_draft, "n_gpu_layers_draft": t.n_gpu_layers_draft, "devices_draft": t.devices_draft,
         "draft_max": t.draft_max, "draft_min": t.draft_min, "draft_p_min": t.draft_p_min,
-        "spec_verify": t.spec_verify, **{f: dict(t.ngram).get(f) for f in NGRAM_FIELDS}, "warm": params.warm,
+        "spec_verify": t.spec_verify, "spec_select": t.spec_select, **{f: dict(t.ngram).get(f) for f in NGRAM_FIELDS},
+        "warm": params.warm,
         "n_drafted": st.n_gen_tokens, "n_accepted": st.n_acc_tokens, "n_steps": tally.n_steps,
         "acceptance": 100.0 * st.acceptance, "mean_acc_len": st.mean_acc_len,
         "tokens_per_step": tally.n_tokens / tally.n_steps if tally.n_steps else 0.0,

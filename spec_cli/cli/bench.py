@@ -109,6 +109,8 @@ def bench(
     draft_min: _L = _spec("--draft-min", help="min draft tokens (default: 0)"),
     draft_p_min: _L = _spec("--draft-p-min", help="draft-model p-min (default: 0.75)"),
     spec_verify: _L = _spec("--spec-verify", help="auto | match | rejection (default: auto)"),
+    spec_select: _L = _spec("--spec-select", help="priority | gain: how a chain picks the draft to verify "
+                            "(default: priority)"),
     temp: _L = _spec("--temp", help="sampling temperatures (default: 0 = greedy)"),
     prompts: _L = _spec("--prompts", help="prompt set files (jsonl)"),
     prompt_set: _L = _spec("--prompt-set", help="built-in sets: code-edit, summarize, qa, writing, chat "

@@ -22,7 +22,7 @@ from spec_cli.loader import parse_device
 from spec_cli.sampling import SamplingParams
 from spec_cli.speculative.adaptive import draft_bound, parse_draft_max
 from spec_cli.speculative.base import SpecParams
-from spec_cli.speculative.chain import parse_spec_types
+from spec_cli.speculative.chain import check_select, parse_spec_types
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,10 @@ SPEC = ("Speculative decoding", [
     Opt("draft_p_min", float, SpecParams.draft_p_min, ("--draft-p-min", "--spec-draft-p-min"),
         "stop drafting below this probability"),
     Opt("spec_verify", str, "auto", ("--spec-verify",), "auto | match | rejection"),
+    Opt("spec_select", str, SpecParams.select, ("--spec-select",),
+        "which draft a step verifies: priority = llama.cpp's fixed order, first non-empty draft wins; gain = every "
+        "n-gram drafter proposes, the draft with the most expected accepted tokens wins (model drafters are asked "
+        "only where none proposed)"),
     _ngram("ngram_simple_size_n", "ngram-simple pattern length"),
     _ngram("ngram_simple_size_m", "ngram-simple draft length"),
     _ngram("ngram_simple_min_hits", "ngram-simple min hits (unused, as llama.cpp)"),
@@ -166,6 +170,7 @@ def spec_params(opts: dict) -> SpecParams:
     params = SpecParams(**{f: opts[f] for f in fields}, draft_max=draft_max, adaptive=adaptive)
     params.types = parse_spec_types((opts["spec_type"] or []) + (["ngram-mod"] if opts["spec_default"] else []))
     params.verify = opts["spec_verify"]
+    params.select = check_select(opts["spec_select"])
     return params
 
 

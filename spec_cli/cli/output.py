@@ -51,7 +51,7 @@ def drafter_table(drafters: list[dict]) -> Table:
         t.add_column(s["name"], justify="right")
     rows = {
         "calls begin/draft/accept": lambda s: f"{s['n_call_begin']}/{s['n_call_draft']}/{s['n_call_accept']}",
-        "gen drafts": lambda s: s["n_gen_drafts"],
+        "proposed / verified drafts": lambda s: f"{s['n_proposed']} / {s['n_gen_drafts']}",
         "acc drafts": lambda s: s["n_acc_drafts"],
         "gen tokens": lambda s: s["n_gen_tokens"],
         "acc tokens": lambda s: s["n_acc_tokens"],

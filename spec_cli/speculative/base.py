@@ -33,6 +33,7 @@ class SpecParams:
     draft_min: int = 0
     draft_p_min: float = 0.75
     verify: str = "auto"  # auto | match | rejection
+    select: str = "priority"  # priority | gain: how the chain picks a sequence's draft (chain.SELECT_MODES)
     ngram_simple_size_n: int = 12
     ngram_simple_size_m: int = 48
     ngram_simple_min_hits: int = 1

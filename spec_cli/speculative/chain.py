@@ -1,14 +1,24 @@
-"""The drafter chain (llama.cpp `common_speculative`): `--spec-type` parsing, fixed priority order, first
-non-empty draft per sequence wins, and the counters/timers wrapped around every drafter call."""
+"""The drafter chain (llama.cpp `common_speculative`): `--spec-type` parsing, which drafter's draft a sequence
+verifies, and the counters/timers wrapped around every drafter call.
+
+Selection (`--spec-select`):
+  priority  llama.cpp's: drafters are asked in the fixed PRIORITY order, the first non-empty draft wins.
+  gain      every n-gram drafter (drafting costs them next to nothing) proposes, and a sequence verifies the proposal
+            with the most expected committed tokens, E(k) = 1 + g_1 + ... + g_k from the proposer's running
+            acceptance per position (adaptive.AcceptanceModel, the planner's own with --draft-max auto); ties go
+            by priority. Model drafters, whose tokens cost a forward each, are asked only where no n-gram drafter
+            proposed, in priority order as before.
+"""
 
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 
 from spec_cli.batch import Batch
 from spec_cli.errors import UsageError
-from spec_cli.speculative.adaptive import Planner
+from spec_cli.speculative.adaptive import AcceptanceModel, Planner, expected_tokens
 from spec_cli.speculative.base import DraftParams, Drafter
 from spec_cli.speculative.stats import DrafterStats
 
@@ -16,6 +26,7 @@ from spec_cli.speculative.stats import DrafterStats
 PRIORITY = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "draft-simple", "draft-mtp")
 ALIASES = {"draft": "draft-simple", "mtp": "draft-mtp"}
 MODEL_TYPES = ("draft-simple", "draft-mtp")
+SELECT_MODES = ("priority", "gain")
 
 
 def parse_spec_types(values: list[str] | str | None) -> list[str]:
@@ -40,13 +51,23 @@ def parse_spec_types(values: list[str] | str | None) -> list[str]:
     return [n for n in PRIORITY if n in names]
 
 
+def check_select(value: str) -> str:
+    """A --spec-select value, checked."""
+    if value not in SELECT_MODES:
+        raise UsageError(f"unknown --spec-select '{value}' (choose from {', '.join(SELECT_MODES)})")
+    return value
+
+
 class Chain:
-    def __init__(self, drafters: list[Drafter], n_seq: int, planner: Planner | None = None):
+    def __init__(self, drafters: list[Drafter], n_seq: int, planner: Planner | None = None, select: str = "priority"):
         self.drafters = drafters
         self.stats = {d.name: DrafterStats(d.name) for d in drafters}
         self.last: list[Drafter | None] = [None] * n_seq  # which drafter produced each sequence's current draft
         # --draft-max auto: what the planner learned about these drafters lives and resets with them
         self.planner = planner
+        self.select = select
+        # what `gain` ranks proposals by: the planner's acceptance, else the chain's own (fed by accept())
+        self.acceptance = planner.acceptance if planner is not None else AcceptanceModel()
 
     @property
     def names(self) -> list[str]:
@@ -67,7 +88,7 @@ class Chain:
 
     def draft(self, params: list[DraftParams], enabled: dict[int, set[str]] | None = None,
               caps: dict[str, int] | None = None) -> dict[str, float]:
-        """Fill `result` of every drafting sequence: first non-empty draft in priority order wins.
+        """Fill `result` of every drafting sequence by the chain's selection mode (module docstring).
         `enabled` optionally restricts, per sequence, which drafter names may draft (per-request types); `caps`
         optionally limits, per drafter name, the tokens it may draft this step (0: it is not asked), so a drafter
         does not produce (and pay for) tokens the adaptive planner would not verify. Returns the seconds spent in
@@ -76,36 +97,68 @@ class Chain:
         for p in params:
             self.last[p.seq] = None
         spent: dict[str, float] = {}
+        proposals: dict[int, list[tuple[Drafter, DraftParams]]] = {}  # gain: per sequence, every n-gram proposal
         for d in self.drafters:
             cap = caps.get(d.name) if caps is not None else None
             asking = [p for p in params if p.drafting and (enabled is None or d.name in enabled.get(p.seq, ()))]
             if not asking or cap == 0:
                 continue
-            with _capped(asking, cap):
-                t_catch_up = time.perf_counter()
-                catch_up = getattr(d, "catch_up", None)
-                if catch_up is not None:  # a lagging cache is the drafter's time, but not the price of its tokens
-                    catch_up(asking)
-                t0 = time.perf_counter()
-                d.draft(asking)
-                t1 = time.perf_counter()
-                spent[d.name] = t1 - t0
-                for p in asking:
+            if self.select == "gain" and d.name not in MODEL_TYPES:
+                own = [replace(p, result=[], probs=None) for p in asking]  # a proposal apart from the others'
+                spent[d.name] = self._ask(d, own, cap)
+                for p, mine in zip(asking, own):
+                    if mine.result:
+                        proposals.setdefault(p.seq, []).append((d, mine))
+                continue
+            if proposals:  # gain: the model drafters only draft where no n-gram drafter proposed
+                self._choose(params, proposals)
+                proposals = {}
+                asking = [p for p in asking if p.drafting]
+                if not asking:
+                    continue
+            spent[d.name] = self._ask(d, asking, cap)
+            for p in asking:
+                if p.result:
                     self._settle(d, p)
-            st = self.stats[d.name]
-            st.n_call_draft += 1
-            st.t_draft_us += (t1 - t_catch_up) * 1e6
+        self._choose(params, proposals)
         return spent
 
+    def _ask(self, d: Drafter, asking: list[DraftParams], cap: int | None) -> float:
+        """One draft call of d for `asking` (each p.n_max lowered to cap); returns its drafting seconds."""
+        with _capped(asking, cap):
+            t_catch_up = time.perf_counter()
+            catch_up = getattr(d, "catch_up", None)
+            if catch_up is not None:  # a lagging cache is the drafter's time, but not the price of its tokens
+                catch_up(asking)
+            t0 = time.perf_counter()
+            d.draft(asking)
+            t1 = time.perf_counter()
+            for p in asking:
+                if len(p.result) > p.n_max:
+                    del p.result[p.n_max:]
+                    if p.probs is not None:
+                        p.probs = p.probs[: p.n_max]
+                if not p.result:
+                    p.probs = None
+        st = self.stats[d.name]
+        st.n_call_draft += 1
+        st.n_proposed += sum(1 for p in asking if p.result)
+        st.t_draft_us += (t1 - t_catch_up) * 1e6
+        return t1 - t0
+
+    def _choose(self, params: list[DraftParams], proposals: dict[int, list[tuple[Drafter, DraftParams]]]) -> None:
+        """gain: each sequence takes its proposal with the most expected committed tokens (first = priority wins
+        ties)."""
+        for p in params:
+            ranked = proposals.get(p.seq)
+            if not ranked:
+                continue
+            d, best = max(ranked, key=lambda c: expected_tokens(self.acceptance.gains(c[0].name), len(c[1].result)))
+            p.result, p.probs = best.result, best.probs
+            self._settle(d, p)
+
     def _settle(self, d: Drafter, p: DraftParams) -> None:
-        """After d drafted for p: an empty result passes p on to the next drafter, a draft is truncated to p's cap."""
-        if not p.result:
-            p.probs = None
-            return
-        if len(p.result) > p.n_max:
-            del p.result[p.n_max:]
-            if p.probs is not None:
-                p.probs = p.probs[: p.n_max]
+        """p verifies d's (non-empty, capped) draft this step."""
         p.drafting = False
         self.last[p.seq] = d
 
@@ -145,6 +198,8 @@ class Chain:
                 st.observe_draft(n_drafted)
                 st.observe_accept(n_accepted)
                 st.t_accept_us += (time.perf_counter() - t0) * 1e6
+        if winner is not None and self.planner is None:  # with a planner, the step loop tells it (observe_accept)
+            self.acceptance.observe(winner.name, n_drafted, n_accepted)
         self.last[seq] = None
 
 

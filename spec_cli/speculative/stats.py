@@ -17,6 +17,7 @@ class DrafterStats:
     n_call_begin: int = 0
     n_call_draft: int = 0
     n_call_accept: int = 0  # verify steps that used this drafter's draft
+    n_proposed: int = 0  # non-empty drafts it produced; with --spec-select gain some lose to another drafter's
     n_gen_drafts: int = 0
     n_acc_drafts: int = 0  # drafts with at least one accepted token
     n_gen_tokens: int = 0
@@ -44,8 +45,8 @@ class DrafterStats:
             self.n_acc_tokens_per_pos[i] += 1
 
     def merge(self, other: "DrafterStats") -> None:
-        for f in ("n_call_begin", "n_call_draft", "n_call_accept", "n_gen_drafts", "n_acc_drafts", "n_gen_tokens",
-                  "n_acc_tokens", "t_begin_us", "t_draft_us", "t_accept_us"):
+        for f in ("n_call_begin", "n_call_draft", "n_call_accept", "n_proposed", "n_gen_drafts", "n_acc_drafts",
+                  "n_gen_tokens", "n_acc_tokens", "t_begin_us", "t_draft_us", "t_accept_us"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         for mine, theirs in ((self.n_acc_tokens_per_pos, other.n_acc_tokens_per_pos),
                              (self.n_gen_tokens_per_pos, other.n_gen_tokens_per_pos)):
