@@ -614,6 +614,9 @@ SC_AVX2 void dot_q6k_avx2(const uint8_t* w, const ActRows& a, const int64_t* row
         __m256i sumi[R];
         for (int r = 0; r < R; r++) sumi[r] = _mm256_setzero_si256();
         for (int half = 0; half < 2; half++) {
+            // this half's 8 scales as int16 in both 128-bit lanes: group g's pair is picked by one byte shuffle
+            const __m256i sc_half = half ? _mm256_permute2x128_si256(sc16, sc16, 0x11)
+                                         : _mm256_permute2x128_si256(sc16, sc16, 0x00);
             const uint8_t* ql = blk + 64 * half;
             const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * half));
             const __m256i l0 = _mm256_loadu_si256((const __m256i*)ql);
@@ -624,9 +627,9 @@ SC_AVX2 void dot_q6k_avx2(const uint8_t* w, const ActRows& a, const int64_t* row
             v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m2));
             v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
                                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2));
-            const int8_t* s = sc + 8 * half;
             for (int g = 0; g < 4; g++) {  // 32 values with scales s[2g] (first 16) and s[2g + 1] (last 16)
-                const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(s[2 * g + 1]), _mm_set1_epi16(s[2 * g]));
+                const __m256i scv = _mm256_shuffle_epi8(sc_half, _mm256_set_m128i(
+                    _mm_set1_epi16((short)(0x0100 + 0x0202 * (2 * g + 1))), _mm_set1_epi16((short)(0x0100 + 0x0202 * (2 * g)))));
                 for (int r = 0; r < R; r++) {
                     const int8_t* y = q[r] + b * 256 + 128 * half + 32 * g;
                     const __m256i p = _mm256_maddubs_epi16(v[g], _mm256_loadu_si256((const __m256i*)y));
