@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from datetime import datetime
 
 import pytest
 
+from spec_cli import chat
 from spec_cli.chat import BUILTIN_TEMPLATES, render_chat, resolve_template
 from spec_cli.errors import SpecCliError
 from spec_cli.tokenizer import Tokenizer
@@ -70,10 +72,52 @@ def test_helpers_and_filters():
     ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "chat template error"),      # sandbox: no escapes
     ("{% set _ = messages.append(1) %}", "chat template error"),                     # immutable inputs
     ("{{ messages[5].content }}", "chat template error"),                            # undefined
+    ("{{ 1/0 }}", "ZeroDivisionError: division by zero"),                            # any exception it raises
+    ("{{ 'a' + 1 }}", "TypeError"),
+    ("{{ range(10**9)|list }}", "OverflowError: Range too big"),
+    ("{% include 'x.jinja' %}", "cannot extend, include or import"),                 # no other templates
+    ("{% from 'x.jinja' import y %}", "cannot extend, include or import"),
+    ("{{ 'a' * 10**8 }}", "would build a value longer than"),                        # checked before computing
+    ("{{ 10 ** 1000000000 }}", "would build a value longer than"),
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
 ])
 def test_template_errors_become_speccli_errors(template, message):
     with pytest.raises(SpecCliError, match=message):
         render_chat(template, CHAT[:1])
+
+
+def test_render_is_bounded_in_time_and_size(monkeypatch):
+    monkeypatch.setattr(chat, "MAX_RENDER_SECONDS", 0.1)
+    monkeypatch.setattr(chat, "MAX_OUTPUT_CHARS", 1000)
+    for template in [
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",  # empty loops
+        "{% set s = 'x' * 500 %}{% for a in s %}{% for b in s %}{% for c in s %}{% endfor %}{% endfor %}{% endfor %}",
+        "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(40) }}",
+    ]:
+        t0 = time.monotonic()
+        with pytest.raises(SpecCliError, match="rendering takes more than 0.1 s"):
+            render_chat(template, CHAT)
+        assert time.monotonic() - t0 < 1
+    for template in [
+        "{% for i in range(2000) %}x{% endfor %}",  # the output
+        "{{ 'ab' * 600 }}", "{{ 'a' * 600 + 'b' * 600 }}", "{{ 10 ** 5000 }}",  # operators, before they compute
+        # what a template builds step by step: concatenation, filters, calls
+        "{% set ns = namespace(s='ab') %}{% for i in range(20) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+        "{% set ns = namespace(s='ab') %}{% for i in range(20) %}{% set ns.s = ns.s|replace('a', 'aa') %}{% endfor %}",
+        "{% set ns = namespace(s='ab') %}{% for i in range(20) %}{% set ns.s = ns.s.replace('b', 'bb') %}{% endfor %}",
+    ]:
+        with pytest.raises(SpecCliError, match="longer than 1000|passes 1000 characters"):
+            render_chat(template, CHAT)
+    assert render_chat("{% for i in range(1000) %}x{% endfor %}", CHAT) == "x" * 1000
+
+
+def test_bounds_keep_jinja_semantics():
+    template = ("{% for m in messages if m.role != 'system' %}{{ loop.index }}/{{ loop.length }}:{{ m.role }}"
+                "{{ '.' if loop.last else ',' }}{% else %}none{% endfor %}"
+                "{% for x in [[1, [2]], [3]] recursive %}{{ x if x is number else loop(x) }}{% endfor %}"
+                "{% filter upper %}{{ messages[0].content ~ '!' }}{% endfilter %}{{ [3, 1, 2]|sort|join }}{{ 2 ** 10 }}")
+    assert render_chat(template, CHAT) == "1/3:user,2/3:assistant,3/3:user.123BE BRIEF.!1231024"
+    assert render_chat("{% for m in [] %}{% else %}none{% endfor %}", CHAT) == "none"
 
 
 def test_tokenizer_applies_model_template_or_override():
