@@ -12,6 +12,7 @@ import codecs
 import heapq
 import warnings
 from collections.abc import Mapping
+from functools import cached_property
 
 from spec_cli.chat import render_chat, resolve_template
 from spec_cli.errors import SpecCliError
@@ -183,6 +184,34 @@ class Tokenizer:
         if add_special and self.add_eos:
             out.append(self.eos_id)
         return out
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the length of `encode(text)` (any flags), from the text's length alone: no token stands
+        for more text bytes than the vocabulary's longest, and only bytes BPE has no token for go without one. 0
+        where the vocabulary gives no bound. Lets the server refuse a prompt that cannot fit a context before
+        spending seconds tokenizing it."""
+        max_bytes, dropped = self._token_bound
+        if not max_bytes:
+            return 0
+        n = len(text.encode("utf-8", "replace").translate(None, dropped))  # encode's own bytes: "?" for a surrogate
+        if self.vocab_type == "spm":
+            n -= 2 * text.count("\u2581")  # a literal "▁" (3 bytes) is matched as the 1-byte space it stands for
+        return -(-n // max_bytes)
+
+    @cached_property
+    def _token_bound(self) -> tuple[int, bytes]:
+        """(the most text bytes one token stands for, the bytes encode drops) for min_tokens; (0, b"") when a merge
+        makes a symbol that is no token (BPE would then fall back to single bytes, some of them dropped)."""
+        if self.vocab_type == "bpe":
+            if not all(pair.replace(" ", "") in self._token_to_id for pair in self._ranks):
+                return 0, b""
+            dropped = bytes(b for b, c in enumerate(BYTE_TO_CHAR) if c not in self._token_to_id)
+            merged = max(len(t) for t in self._tokens)  # one byte-level symbol is one byte
+        else:
+            dropped = b""  # SPM falls back to byte tokens, and fails if one is missing
+            merged = max(len(t.replace("\u2581", " ").encode()) for t in self._tokens)
+        special = max((len(t.encode()) for t, _ in self._specials), default=0)  # cut out of the text verbatim
+        return max(merged, special), dropped
 
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
         """tokenizer_st_partition: cut special tokens out of the text, longest token first over the whole text.

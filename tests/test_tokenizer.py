@@ -323,3 +323,33 @@ def test_spm_matches_textbook_merge_order():
         text = "".join(rng.choice("ab a") for _ in range(rng.randint(1, 14)))
         got = [tok.token_text(i) for i in tok.encode(text, add_special=False)]
         assert got == _naive_spm("▁" + text.replace(" ", "▁")), text
+
+
+# --- min_tokens: a lower bound from the text's length ---------------------------------------------------------------
+
+HOSTILE = [*"abc xyz<>|_", "\n", "\t", " " * 7, " " * 40, "\u2581", "\u2581" * 5, "é", "日本", "🚀", "\x04", "\x1d",
+           "\U00040000", "\ud800", "<|im_end|>", "<|endoftext|>", "<start_of_turn>", "<s>", "</s>", "<unk>"]
+
+
+@pytest.mark.parametrize("name", ["tiny-bpe", "tiny-spm", *(pytest.param(m, marks=pytest.mark.real_model)
+                                                            for m in MODELS[:3])])
+def test_min_tokens_never_exceeds_the_token_count(name):
+    tok = {"tiny-bpe": _tiny, "tiny-spm": _tiny_spm}.get(name, lambda: _real_tokenizer(name))()
+    assert tok.min_tokens("x" * 1000) > 0  # a real bound (smollm2's vocabulary lacks some bytes: it drops them)
+    rng = random.Random(4)
+    tight = 0
+    for _ in range(300):
+        text = "".join(rng.choice(HOSTILE) for _ in range(rng.randint(0, 60)))
+        bound = tok.min_tokens(text)
+        for add_special in (False, True):
+            for parse_special in (False, True):
+                n = len(tok.encode(text, add_special, parse_special))
+                assert bound <= n, (text, bound, n)
+                tight += bound == n
+    assert tight  # and some texts meet it (runs of the longest token)
+
+
+def test_min_tokens_gives_no_bound_when_bpe_could_drop_text():
+    merges = tiny_bpe_metadata()["tokenizer.ggml.merges"]
+    tok = _tiny(merges=[*merges, "Ġ Q"])  # "ĠQ" is no token: BPE would fall back to bytes and drop some
+    assert tok.min_tokens("x" * 1000) == 0
