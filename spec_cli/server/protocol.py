@@ -13,6 +13,7 @@ speculation control: `false` disables it, an object overrides n_max / n_min / p_
 from __future__ import annotations
 
 import json
+import re
 from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -49,14 +50,16 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def parse_request(model: type[M], body: bytes) -> M:
-    """JSON body -> request model, whatever the Content-Type (llama.cpp reads `curl -d` bodies too); any
-    problem becomes a 400 naming the offending field."""
+    """JSON body -> request model; any problem becomes a 400 naming the offending field."""
     try:
-        data = json.loads(body)
+        text = body.decode("utf-8")  # strict: json.loads would let UTF-8-encoded surrogates through
+        data = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ApiError(400, f"invalid JSON: {e}") from None
     except RecursionError:
         raise ApiError(400, "invalid JSON: nested too deeply") from None
+    if _SURROGATE_ESCAPE.search(text):
+        _reject_lone_surrogates(data)
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, not {type(data).__name__}")
     try:
@@ -66,6 +69,19 @@ def parse_request(model: type[M], body: bytes) -> M:
         err = max(e.errors(), key=lambda er: len(er["loc"]))
         loc = ".".join(str(x) for x in err["loc"] if not (isinstance(x, str) and x in _UNION_TAGS))
         raise ApiError(400, f"{loc or 'body'}: {err['msg']}", param=loc or None) from None
+
+
+# JSON spells a character outside the BMP as two \u escapes (a UTF-16 surrogate pair); one alone is valid JSON
+# but no Unicode text: it cannot be tokenized or sent back as UTF-8 (llama.cpp's JSON parser refuses it too)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _reject_lone_surrogates(data) -> None:
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"invalid JSON: lone UTF-16 surrogate \\u{ord(e.object[e.start]):04x} in a string "
+                       "(a \\uD800-\\uDFFF escape must be half of a pair)") from None
 
 
 # pydantic names the union member it tried in an error's location; the field path without them is clearer
