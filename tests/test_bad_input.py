@@ -129,6 +129,12 @@ def test_bad_flag_values_are_usage_errors(capsys, monkeypatch, tiny_model_path, 
     assert_one_line_error(code, err, 2, needle)
 
 
+def test_server_refuses_an_empty_api_key(capsys, monkeypatch, tiny_model_path):
+    # an empty key used to turn authentication off without a word
+    code, _, err = cli(capsys, monkeypatch, "server", "-m", str(tiny_model_path), "--api-key", "")
+    assert_one_line_error(code, err, 2, "--api-key is empty")
+
+
 def test_incompatible_draft_vocabulary(capsys, monkeypatch, tmp_path, tiny_model_path):
     from tests.tiny_gguf import write_tiny_gguf
 

@@ -1,22 +1,29 @@
-"""The server against hostile or careless clients, on a real server on a loopback port: text that is not
-Unicode. Invariants: every refusal is a JSON error in OpenAI's shape with the right status, and the connection
-stays usable."""
+"""The server against hostile or careless clients and operators, on a real server on a loopback port: text that
+is not Unicode, bodies and prompts too big to handle, chat templates that fail or never end, requests from web
+pages (DNS rebinding, cross-site POSTs). Invariants: every refusal is a JSON error in OpenAI's shape with the
+right status, the connection stays usable, and a prompt too long for a slot is refused before it is tokenized
+(and one that fits never is)."""
 
 from __future__ import annotations
 
 import json
+import time
 from http.client import HTTPConnection
 
 import httpx
+import openai
 import pytest
 
+import spec_cli.chat
 from spec_cli.server import ServerSettings
-from tests.server_harness import LiveServer, make_engine
+from tests.server_harness import N_CTX_SLOT, LiveServer, make_engine
+
+CHAT = [{"role": "user", "content": "Hello"}]
 
 
 @pytest.fixture(scope="module")
 def settings():
-    return ServerSettings()
+    return ServerSettings(max_body=64 * 1024, allowed_hosts=["models.example"])
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +74,101 @@ def test_lone_surrogates_are_a_400_on_a_connection_that_stays_open(srv):
     assert r.status == 200 and json.loads(r.read())["prompt"] == "smile \U0001f600"
     assert conn.sock is sock
     conn.close()
+
+
+# --- bodies and prompts too big ---------------------------------------------------------------------------------------
+
+def test_body_over_the_limit_is_a_413_before_it_is_read(http, settings):
+    big = json.dumps({"prompt": "x" * settings.max_body, "n_predict": 1}).encode()
+    assert_error(http.post("/completion", content=big, headers={"content-type": "application/json"}), 413,
+                 f"larger than {settings.max_body} bytes")
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield b'{"prompt": "'
+        for _ in range(settings.max_body // 1024 + 1):
+            yield b"y" * 1024
+        yield b'"}'
+
+    assert_error(http.post("/completion", content=chunks(), headers={"content-type": "application/json"}), 413)
+    # just under the limit: read (/completion ignores unknown fields)
+    r = http.post("/completion", json={"prompt": "hi", "n_predict": 1, "pad": "z" * (settings.max_body - 100)})
+    assert r.status_code == 200, r.text
+
+
+@pytest.fixture
+def encoded(srv, monkeypatch):
+    """Lengths of the texts the server tokenizes."""
+    tok = srv.engine.tokenizer
+    lengths: list[int] = []
+
+    def spy(text, *args, **kwargs):
+        lengths.append(len(text))
+        return type(tok).encode(tok, text, *args, **kwargs)
+
+    monkeypatch.setattr(tok, "encode", spy)
+    return lengths
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(http, srv, encoded):
+    tok = srv.engine.tokenizer
+    longest = max((tok.token_text(i) for i in range(tok.n_vocab)), key=lambda t: len(t.encode()))
+    # the longest token, over and over: each copy is one token, so the bound is exact here
+    fits = longest * (N_CTX_SLOT - 1 - len(tok.encode("", add_special=True)))
+    assert len(tok.encode(fits, add_special=True, parse_special=True)) == N_CTX_SLOT - 1
+    assert http.post("/completion", json={"prompt": fits, "n_predict": 1}).status_code == 200
+    encoded.clear()
+    too_long = fits + longest * 2
+    err = assert_error(http.post("/completion", json={"prompt": too_long, "n_predict": 1}), 400, "at least")
+    assert err["type"] == "exceed_context_size_error"
+    assert_error(http.post("/v1/completions", json={"prompt": [too_long]}), 400, "at least")
+    assert_error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": too_long}]}),
+                 400, "at least")
+    assert encoded == []
+
+
+# --- chat templates ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("template, needle", [
+    ("{{ 1/0 }}", "ZeroDivisionError: division by zero"),
+    ("{{ range(10**9)|list }}", "Range too big"),
+    ("{% include 'other.jinja' %}", "cannot extend, include or import"),
+    ("{{ 'a' * 10**8 }}", "would build a value longer than"),
+    ("{% for m in messages %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+     "{% endfor %}", "rendering takes more than 0.2 s"),
+])
+def test_chat_template_failures_are_a_400(srv, settings, monkeypatch, template, needle):
+    monkeypatch.setattr(spec_cli.chat, "MAX_RENDER_SECONDS", 0.2)
+    monkeypatch.setattr(settings, "chat_template", template)
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=30)
+    t0 = time.monotonic()
+    with pytest.raises(openai.BadRequestError, match="chat template error") as e:
+        client.chat.completions.create(model="m", messages=CHAT, max_tokens=2)
+    assert needle in e.value.body["message"] and e.value.body["param"] == "messages"
+    assert time.monotonic() - t0 < 5
+
+
+# --- requests from web pages ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("host, allowed", [
+    ("127.0.0.1:8080", True), ("[::1]:8080", True), ("10.1.2.3", True), ("localhost:8080", True),
+    ("LOCALHOST.", True), ("app.localhost", True), ("models.example:443", True),
+    ("evil.example:8080", False), ("localhost.evil.example", False), ("models.example.evil", False),
+])
+def test_host_header_names_an_ip_localhost_or_an_allowed_host(http, host, allowed):
+    for r in (http.get("/slots", headers={"host": host}),
+              http.post("/completion", json={"prompt": "hi", "n_predict": 1}, headers={"host": host})):
+        if allowed:
+            assert r.status_code == 200, (host, r.text)
+        else:
+            assert assert_error(r, 403, repr(host), "--allowed-hosts")["type"] == "permission_error"
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x", None])
+def test_a_post_body_must_be_json(http, content_type):
+    headers = {"content-type": content_type} if content_type else {}
+    r = http.post("/completion", content=b'{"prompt": "hi", "n_predict": 1}', headers=headers)
+    assert_error(r, 415, "Content-Type: application/json")
+    r = http.post("/completion", content=b'{"prompt": "hi", "n_predict": 1}',
+                  headers={"content-type": "Application/JSON; charset=utf-8"})
+    assert r.status_code == 200

@@ -37,6 +37,9 @@ def server(
                                   "(-1 = until end of generation or the slot's context end)"),
     chat_template: Optional[str] = typer.Option(None, "--chat-template", help="override the chat template "
                                                 "(jinja source or chatml|gemma)"),
+    allowed_hosts: Optional[str] = typer.Option(None, "--allowed-hosts", help="Host header names to accept "
+                                                "besides IP addresses, localhost and --host (comma list; * = any)"),
+    max_body_mib: int = typer.Option(8, "--max-body-mib", help="largest request body in MiB (413 above it)"),
 ) -> None:
     """Serve the model over HTTP (llama-server): /v1/chat/completions, /v1/completions, /completion, ..."""
     import uvicorn
@@ -52,7 +55,8 @@ def server(
     if n_predict < -1:
         raise UsageError("-n must be >= -1")
     settings = ServerSettings(alias=alias, api_key=api_key, metrics=metrics, slots=not no_slots,
-                              n_predict=n_predict, sampling=sampling_params(opts), chat_template=chat_template)
+                              n_predict=n_predict, sampling=sampling_params(opts), chat_template=chat_template,
+                              allowed_hosts=[host, *(allowed_hosts or "").split(",")], max_body=max_body_mib << 20)
     engine = build_engine(engine_options(opts, n_seq=parallel))
     app = create_app(engine, settings)
     types = ",".join(engine.chain.names) if engine.chain else "none"

@@ -3,16 +3,18 @@
 `create_app(engine, settings)` builds the app around one Scheduler (the engine thread). Routes only parse,
 tokenize, submit a Job and format what comes back: OpenAI-compatible `/v1/models`, `/v1/completions`,
 `/v1/chat/completions` (SSE ending in `data: [DONE]`), llama.cpp-native `/completion`, `/tokenize`,
-`/detokenize`, `/health`, `/slots` (unless --no-slots) and `/metrics` (with --metrics). Every error, including
-malformed JSON and failed validation, is a JSON body in OpenAI's shape. A client that disconnects (streaming or
-not) cancels its task, which frees its slot before the next generation step.
+`/detokenize`, `/health`, `/slots` (unless --no-slots) and `/metrics` (with --metrics). A request passes
+guard.py's checks first (Host, API key, JSON content type, body size). Every error, including malformed JSON and
+failed validation, is a JSON body in OpenAI's shape. Tokenizing and chat-template rendering run in worker
+threads, and a text prompt too long for a slot is refused from its length before it is tokenized. A client that
+disconnects (streaming or not) cancels its task, which frees its slot before the next generation step.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
+import math
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -23,9 +25,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from spec_cli.engine import Engine
-from spec_cli.errors import SpecCliError
+from spec_cli.errors import SpecCliError, UsageError
 from spec_cli.sampling import SamplingParams
 from spec_cli.server import protocol as P
+from spec_cli.server.guard import RequestGuard
 from spec_cli.server.scheduler import Scheduler
 from spec_cli.server.task import Completion, Delta, Failure, Job, Task
 
@@ -39,32 +42,18 @@ class ServerSettings:
     n_predict: int = -1  # default when a request sets no limit
     sampling: SamplingParams = field(default_factory=SamplingParams)  # defaults for request sampling fields
     chat_template: str | None = None  # override of the GGUF's template (jinja source or a builtin name)
+    allowed_hosts: list[str] = field(default_factory=list)  # Host names besides IP addresses and localhost
+    max_body: int | None = None  # bytes a request body may have (None = no limit)
+
+    def __post_init__(self):
+        if self.api_key == "":
+            raise UsageError("--api-key is empty: give a key, or leave the flag out to serve without one")
+        if self.max_body is not None and self.max_body < 1:
+            raise UsageError("--max-body-mib must be at least 1")
 
 
 class ClientGone(Exception):
     pass
-
-
-class ApiKeyMiddleware:
-    """`--api-key`: every route but /health needs `Authorization: Bearer KEY` or `X-Api-Key: KEY` (llama.cpp)."""
-
-    PUBLIC = ("/health", "/v1/health")
-
-    def __init__(self, app, key: str):
-        self.app, self.key = app, key.encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in self.PUBLIC or self._authorized(scope):
-            await self.app(scope, receive, send)
-            return
-        body = P.error_body(401, "Invalid API Key", "authentication_error")
-        await JSONResponse(body, 401)(scope, receive, send)
-
-    def _authorized(self, scope) -> bool:
-        headers = dict(scope["headers"])
-        auth = headers.get(b"authorization", b"")
-        given = auth[7:] if auth[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
-        return hmac.compare_digest(given.strip(), self.key)
 
 
 def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAPI:
@@ -83,28 +72,32 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
 
     app = FastAPI(title="spec-cli server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler = scheduler
-    if settings.api_key:
-        app.add_middleware(ApiKeyMiddleware, key=settings.api_key)
+    app.add_middleware(RequestGuard, hosts=settings.allowed_hosts, api_key=settings.api_key,
+                       max_body=settings.max_body if settings.max_body is not None else math.inf)
     _install_error_handlers(app)
+    tok.min_tokens("")  # the vocabulary's bound is computed now, not in the first request
 
     # --- helpers shared by the completion routes ------------------------------------------------------------
 
-    def encode(prompt: str | list[int], param: str = "prompt") -> list[int]:
+    def encode(prompt: str | list[int]) -> list[int]:
+        """A prompt's tokens (in a worker thread: tokenizing a long text takes seconds); a text too long to fit a
+        slot is refused from its length alone, before it is tokenized."""
         if isinstance(prompt, str):
-            tokens = tok.encode(prompt, add_special=True, parse_special=True)
+            check_fits(tok.min_tokens(prompt), at_least=True)
+            prompt = tok.encode(prompt, add_special=True, parse_special=True)
         else:
-            tokens = P.check_tokens(prompt, n_vocab, param)
-        return check_length(tokens)
-
-    def check_length(tokens: list[int]) -> list[int]:
-        if not tokens:
+            P.check_tokens(prompt, n_vocab, "prompt")
+        if not prompt:
             raise P.ApiError(400, "the prompt is empty", param="prompt")
+        check_fits(len(prompt))
+        return prompt
+
+    def check_fits(n_tokens: int, at_least: bool = False) -> None:
         n_ctx = scheduler.n_ctx_slot
-        if len(tokens) >= n_ctx:
-            raise P.ApiError(400, f"the prompt has {len(tokens)} tokens but a slot's context holds {n_ctx - 1} "
-                             f"(-c {engine.ctx.n_ctx} split across {engine.ctx.n_seq} slots): shorten the prompt, "
-                             "raise -c or lower -np", "exceed_context_size_error")
-        return tokens
+        if n_tokens >= n_ctx:
+            raise P.ApiError(400, f"the prompt has {'at least ' if at_least else ''}{n_tokens} tokens but a slot's "
+                             f"context holds {n_ctx - 1} (-c {engine.ctx.n_ctx} split across {engine.ctx.n_seq} "
+                             "slots): shorten the prompt, raise -c or lower -np", "exceed_context_size_error")
 
     def make_job(req: P.GenerationFields, tokens: list[int], n_predict: int | None) -> Job:
         if req.id_slot >= len(scheduler.slots):
@@ -233,9 +226,9 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         def render_chat() -> list[int]:
             try:
                 text = tok.apply_chat_template(messages, True, settings.chat_template)
-            except SpecCliError as e:
-                raise P.ApiError(400, f"chat template: {e}", param="messages") from None
-            return check_length(tok.encode(text, add_special=True, parse_special=True))
+            except SpecCliError as e:  # the template failed or ran past its bounds on these messages
+                raise P.ApiError(400, str(e), param="messages") from None
+            return encode(text)
 
         tokens = await asyncio.to_thread(render_chat)
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
