@@ -32,7 +32,9 @@ try:
 except ImportError:  # Windows: pulls of one model are then not serialized across processes
     fcntl = None
 
+# the repository's top-level models.toml, through a symbolic link that wheels carry as a copy
 REGISTRY_PATH = Path(__file__).with_name("models.toml")
+USER_REGISTRY_ENV = "SPEC_CLI_MODELS"  # a TOML file of the same form whose models and keys extend / override ours
 CACHE_ENV = "SPEC_CLI_CACHE"
 DEFAULT_CACHE = "~/.cache/spec-cli"
 
@@ -85,14 +87,16 @@ class Registry:
 
 
 def load_registry(path: str | Path | None = None) -> Registry:
-    """Read and validate models.toml (the packaged one by default); every reference must name a listed model."""
+    """Read and validate models.toml (the packaged one by default), extended by the user's registry file named by
+    $SPEC_CLI_MODELS (its models are added, a model of the same name replaced, its top-level keys win); every
+    reference must name a listed model."""
     path = Path(path) if path else REGISTRY_PATH
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise SpecCliError(f"cannot read model registry {path}: {e}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise SpecCliError(f"{path}: invalid TOML ({e})") from None
+    data = _read_toml(path)
+    user = os.environ.get(USER_REGISTRY_ENV)
+    if user:
+        extra = _read_toml(Path(user).expanduser())
+        data = {**data, **extra, "models": {**data.get("models", {}), **extra.get("models", {})}}
+        path = Path(f"{path} + {user}")  # where the errors below point
     try:
         models = {name: _model_spec(name, entry) for name, entry in data.get("models", {}).items()}
         registry = Registry(models, data["default_model"], data["default_draft"], data["test_model"])
@@ -107,6 +111,15 @@ def load_registry(path: str | Path | None = None) -> Registry:
         if name not in models:
             raise SpecCliError(f"{path}: {key} names '{name}', which is not a listed model")
     return registry
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise SpecCliError(f"cannot read model registry {path}: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SpecCliError(f"{path}: invalid TOML ({e})") from None
 
 
 def _model_spec(name: str, entry: dict[str, Any]) -> ModelSpec:

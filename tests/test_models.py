@@ -61,6 +61,25 @@ def test_registry_rejects_incomplete_entries(tmp_path):
         models.load_registry(_write_registry(tmp_path / "e.toml", entry + 'sha256 = "abc"\n'))
 
 
+def test_the_registry_is_the_top_level_file_and_a_users_file_extends_it(monkeypatch, tmp_path):
+    """models.toml lives at the repository's top level (spec_cli/models.toml links to it, wheels copy it);
+    $SPEC_CLI_MODELS adds models and overrides keys; a bad user file is a clear error naming it."""
+    top = Path(__file__).resolve().parents[1] / "models.toml"
+    assert models.REGISTRY_PATH.resolve() == top
+    packaged = models.load_registry()
+    entry = f'[models.mine]\narch = "llama"\nsize = 10\nsha256 = "{"0" * 64}"\n' \
+            'packages = [{ name = "a", version = "1.0.0", member = "a/x" }]\n'
+    user = tmp_path / "mine.toml"
+    user.write_text('default_draft = "mine"\n' + entry)
+    monkeypatch.setenv(models.USER_REGISTRY_ENV, str(user))
+    extended = models.load_registry()
+    assert set(extended.models) == set(packaged.models) | {"mine"}
+    assert extended.default_draft == "mine" and extended.default_model == packaged.default_model
+    user.write_text("models = [")
+    with pytest.raises(SpecCliError, match="mine.toml: invalid TOML"):
+        models.load_registry()
+
+
 def test_cache_dir_precedence(monkeypatch, tmp_path):
     monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "env"))
     assert models.cache_dir() == tmp_path / "env"
