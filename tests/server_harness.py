@@ -13,6 +13,7 @@ from spec_cli.engine import EngineOptions, build_engine
 from spec_cli.generate import generate
 from spec_cli.sampling import SamplingParams
 from spec_cli.server import ServerSettings, create_app
+from spec_cli.server.serve import GRACE_SECONDS, Server
 from spec_cli.speculative.base import SpecParams
 
 N_CTX_SLOT = 256
@@ -55,9 +56,10 @@ def greedy_reference(model, prompts: list[str], n_predict: int) -> dict[str, lis
 
 
 class LiveServer:
-    """`with LiveServer(engine, settings) as srv:` serves create_app(engine, settings) at srv.url."""
+    """`with LiveServer(engine, settings) as srv:` serves create_app(engine, settings) at srv.url; leaving the
+    block shuts it down as SIGTERM would."""
 
-    def __init__(self, engine, settings: ServerSettings | None = None):
+    def __init__(self, engine, settings: ServerSettings | None = None, grace: float = GRACE_SECONDS):
         self.engine = engine
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -66,7 +68,7 @@ class LiveServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = create_app(engine, settings)
         config = uvicorn.Config(self.app, log_level="warning", lifespan="on")
-        self.server = uvicorn.Server(config)
+        self.server = Server(config, grace)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> LiveServer:

@@ -1,12 +1,14 @@
 """The server against hostile or careless clients and operators, on a real server on a loopback port: text that
 is not Unicode, bodies and prompts too big to handle, chat templates that fail or never end, requests from web
-pages (DNS rebinding, cross-site POSTs). Invariants: every refusal is a JSON error in OpenAI's shape with the
-right status, the connection stays usable, and a prompt too long for a slot is refused before it is tokenized
-(and one that fits never is)."""
+pages (DNS rebinding, cross-site POSTs) and a shutdown with requests in flight. Invariants: every refusal is a
+JSON error in OpenAI's shape with the right status, the connection stays usable, a prompt too long for a slot
+is refused before it is tokenized (and one that fits never is), and a stopped server ends every request with a
+response: its answer, or the 503."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from http.client import HTTPConnection
 
@@ -172,3 +174,66 @@ def test_a_post_body_must_be_json(http, content_type):
     r = http.post("/completion", content=b'{"prompt": "hi", "n_predict": 1}',
                   headers={"content-type": "Application/JSON; charset=utf-8"})
     assert r.status_code == 200
+
+
+# --- shutdown ---------------------------------------------------------------------------------------------------------
+
+def sse_payloads(r: httpx.Response) -> list:
+    return [line[6:] if line == "data: [DONE]" else json.loads(line[6:]) for line in r.iter_lines()
+            if line.startswith("data: ")]
+
+
+def wait_until(condition, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_shutdown_fails_requests_still_running_after_the_grace_period(tiny_model_path):
+    long = {"prompt": "hi", "ignore_eos": True, "temperature": 0}
+    with LiveServer(make_engine(tiny_model_path, n_seq=3, n_ctx_slot=8192), grace=0.3) as srv:
+        out: dict = {}
+
+        def plain():
+            out["plain"] = httpx.post(srv.url + "/completion", json={**long, "n_predict": 8000}, timeout=60)
+
+        def stream(path, body, key):
+            with httpx.stream("POST", srv.url + path, json={**long, **body, "stream": True}, timeout=60) as r:
+                out[key] = sse_payloads(r)
+
+        threads = [threading.Thread(target=plain),
+                   threading.Thread(target=stream, args=("/v1/completions", {"max_tokens": 8000}, "openai")),
+                   threading.Thread(target=stream, args=("/completion", {"n_predict": 8000}, "native"))]
+        for t in threads:
+            t.start()
+        wait_until(lambda: srv.app.state.scheduler.n_processing == 3)
+        srv.server.should_exit = True  # what SIGTERM and SIGINT do
+        for t in threads:
+            t.join(timeout=30)
+    assert_error(out["plain"], 503, "shutting down")
+    assert out["openai"][-2]["error"]["code"] == 503 and out["openai"][-1] == "[DONE]"
+    assert all(chunk["choices"][0]["text"] is not None for chunk in out["openai"][:-2])  # it streamed until then
+    assert out["native"][-1]["error"]["type"] == "unavailable_error"
+
+
+def test_shutdown_lets_requests_finish_within_the_grace_period_and_refuses_new_ones(tiny_model_path):
+    with LiveServer(make_engine(tiny_model_path, n_seq=2, n_ctx_slot=2048), grace=60) as srv:
+        out: dict = {}
+
+        def request():
+            out["r"] = httpx.post(srv.url + "/completion", timeout=60,
+                                  json={"prompt": "hi", "n_predict": 600, "ignore_eos": True})
+
+        thread = threading.Thread(target=request)
+        thread.start()
+        wait_until(lambda: srv.app.state.scheduler.n_processing == 1)
+        t0 = time.monotonic()
+        srv.server.should_exit = True
+        late = {}
+        wait_until(lambda: late.update(r=httpx.post(srv.url + "/completion", json={"prompt": "late", "n_predict": 1}))
+                   or late["r"].status_code != 200)
+        assert_error(late["r"], 503, "shutting down")
+        thread.join(timeout=60)
+    assert out["r"].status_code == 200 and out["r"].json()["tokens_predicted"] == 600
+    assert time.monotonic() - t0 < 30  # the server stopped once idle, not at the end of the grace period

@@ -40,11 +40,13 @@ def server(
     allowed_hosts: Optional[str] = typer.Option(None, "--allowed-hosts", help="Host header names to accept "
                                                 "besides IP addresses, localhost and --host (comma list; * = any)"),
     max_body_mib: int = typer.Option(8, "--max-body-mib", help="largest request body in MiB (413 above it)"),
-) -> None:
-    """Serve the model over HTTP (llama-server): /v1/chat/completions, /v1/completions, /completion, ..."""
-    import uvicorn
+) -> int:
+    """Serve the model over HTTP (llama-server): /v1/chat/completions, /v1/completions, /completion, ...
 
+    SIGTERM or SIGINT (^C) stops it: requests in flight get a few seconds to finish, then a 503; the exit status is
+    0 after SIGTERM and 130 after SIGINT."""
     from spec_cli.server import ServerSettings, create_app
+    from spec_cli.server.serve import serve
 
     if parallel == -1:
         parallel = DEFAULT_PARALLEL
@@ -62,4 +64,4 @@ def server(
     types = ",".join(engine.chain.names) if engine.chain else "none"
     print(f"spec-cli server: http://{host}:{port}  model {engine.target.gguf.path.name}, {parallel} slots of "
           f"{engine.ctx.n_ctx_seq} tokens, --spec-type {types}", file=sys.stderr)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    return serve(app, host, port)

@@ -74,6 +74,7 @@ class Scheduler:
         self.counters = Counters()
         self._pending: deque[Task] = deque()
         self._cond = threading.Condition()
+        self._closed = False  # no new jobs (shutting down)
         self._stopping = False
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="spec-cli-engine", daemon=True)
@@ -90,14 +91,25 @@ class Scheduler:
     def n_processing(self) -> int:
         return sum(s.task is not None for s in self.slots)
 
+    @property
+    def idle(self) -> bool:
+        with self._cond:  # a job moves from the queue to a slot under the lock
+            return not self._pending and not self.n_processing
+
     # --- route side (event loop thread) ------------------------------------------------------------------------
 
     def start(self) -> None:
         self._thread.start()
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
+        """Refuse new jobs; the queued and running ones go on."""
         with self._cond:
-            self._stopping = True
+            self._closed = True
+
+    def shutdown(self) -> None:
+        """Stop the engine thread; the jobs it still had fail with a 503."""
+        with self._cond:
+            self._closed = self._stopping = True
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
@@ -105,7 +117,7 @@ class Scheduler:
     def submit(self, job: Job) -> Task:
         task = Task(next(self._ids), job, asyncio.get_running_loop(), self.tokenizer)
         with self._cond:
-            if self._stopping:
+            if self._closed:
                 raise SpecCliError("server is shutting down")
             self._pending.append(task)
             self._cond.notify()
