@@ -11,6 +11,7 @@ from collections import Counter
 import pytest
 from typer.testing import CliRunner
 
+from spec_cli import kernels
 from spec_cli.batch import Batch
 from spec_cli.bench.params import from_flags
 from spec_cli.bench.runner import run_bench
@@ -143,7 +144,7 @@ def test_calibration_is_cheap_and_leaves_the_kv_cache_as_it_was(tiny_model_path)
 
 def test_calibration_is_cached_per_model_and_settings(tiny_model_path, tmp_path, monkeypatch):
     """A second engine on the same model file and settings reads the curve instead of timing forwards; another
-    sequence count calibrates anew; an unreadable cache file is only a reason to calibrate."""
+    sequence count or kernel build calibrates anew; an unreadable cache file is only a reason to calibrate."""
     cache = tmp_path / "verify-cost.json"
     monkeypatch.setattr("spec_cli.engine.verify_cost_cache", lambda: cache)
 
@@ -164,6 +165,9 @@ def test_calibration_is_cached_per_model_and_settings(tiny_model_path, tmp_path,
     assert (again.rows, again.seconds) == (first.rows, first.seconds)
     monkeypatch.setattr(adaptive, "time_forwards", real_timer)
     assert calibrated(2).rows[-1] == 32 and len(json.loads(cache.read_text())) == 2
+    monkeypatch.setattr(kernels, "_BUILD", "rebuilt")  # other kernels, other speeds: timed again
+    calibrated(1)
+    assert len(json.loads(cache.read_text())) == 3
     cache.write_text("{not json")
     assert calibrated(1).calibrated and len(json.loads(cache.read_text())) == 1
 
@@ -187,6 +191,24 @@ def test_long_drafts_when_acceptance_is_high_and_cost_is_flat():
 def test_plan_respects_every_draft_length():
     planner = planner_with(flat(), {"x": 0.99, "y": 0.99})
     assert planner.plan([("x", 5), (None, 0), ("y", 2)], 0.0) == [5, 0, 2]
+
+
+def test_a_costly_drafter_that_seldom_drafts_is_not_asked():
+    """A draft model that stops below p-min gives no draft on most asks but pays its seed row every time: the
+    planner weighs its gain by the fraction of asks that gave a draft (writing: 29 of 101 asks, 0.80x of plain)."""
+    planner = planner_with(flat(), {"x": 0.97})
+    planner.observe_drafting("x", 0.3, 1)  # not priced (first call)
+    planner.observe_drafting("x", 0.3, 1)  # 0.3 forwards per ask
+    assert planner.drafting_caps(["x"], 1)["x"] > 0  # a draft on every ask: worth it
+    for _ in range(30):
+        planner.observe_yield("x", 1, 0)  # asked, no draft
+    planner.observe_yield("x", 4, 1)
+    assert planner.yields["x"] < 0.3
+    assert planner.drafting_caps(["x"], 1) == {"x": 1}  # planned at 0: its first 1-token probe ...
+    assert planner.drafting_caps(["x"], 1) == {"x": 0}  # ... then not asked
+    free = planner_with(flat(), {"x": 0.97})  # the same yield costs nothing to a drafter whose asks are free
+    free.yields["x"] = planner.yields["x"]
+    assert free.drafting_caps(["x"], 1)["x"] > 1
 
 
 def test_draft_cost_caps_drafting_but_a_paid_draft_is_verified():

@@ -42,6 +42,7 @@ def _find_library() -> tuple[ctypes.CDLL | None, str]:
 
 
 _lib, _why = _find_library()
+_BUILD = (lambda st: f"{st.st_size}-{st.st_mtime_ns}")(Path(_lib._name).stat()) if _lib is not None else "none"
 if _lib is not None:
     _lib.sc_init.argtypes = [ctypes.c_int, ctypes.c_int, _i64]
     _lib.sc_has_avx2.restype = ctypes.c_int
@@ -66,6 +67,11 @@ def available() -> bool:
 
 def why_unavailable() -> str:
     return _why
+
+
+def build_id() -> str:
+    """Which build of the library is loaded (its size and modification time), for caches of measured speeds."""
+    return _BUILD
 
 
 def usable(x: torch.Tensor) -> bool:

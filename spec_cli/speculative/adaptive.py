@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from spec_cli import kernels
 from spec_cli.batch import Batch
 from spec_cli.context import Context
 from spec_cli.errors import UsageError
@@ -114,8 +115,8 @@ class CostModel:
 
     def calibrate(self, ctx: Context, seq: int) -> None:
         """Time forwards on `seq` after the cells it holds (removed again); rows that do not fit are extrapolated.
-        A calibration of the same model file, weights, device, threads and sequence count is read from the cache
-        instead (the online refinement corrects what differs now, e.g. the machine's load)."""
+        A calibration of the same model file, weights, device, threads, sequence count, torch and kernel build is
+        read from the cache instead (the online refinement corrects what differs now, e.g. the machine's load)."""
         key = _calibration_key(ctx)
         cached = _read_cache(self.cache).get(key) if self.cache and key else None
         if cached:
@@ -169,7 +170,7 @@ def _calibration_key(ctx: Context) -> str | None:
         return None
     st = gf.path.stat()
     parts = (gf.path.resolve(), st.st_size, st.st_mtime_ns, ctx.loaded.weights, ctx.device, torch.get_num_threads(),
-             ctx.n_seq, torch.__version__)
+             ctx.n_seq, torch.__version__, kernels.build_id())  # a rebuilt kernel library has other speeds
     return "|".join(map(str, parts))
 
 
@@ -281,6 +282,7 @@ class Planner:
         self.n_max = n_max
         self.acceptance = AcceptanceModel(n_max)
         self.draft_costs: dict[str, DraftCost] = {}
+        self.yields: dict[str, float] = {}  # per drafter, the decayed fraction of asks that gave a draft at all
         self.step = 0
         self.next_probe: dict[str, int] = {}
         self.probe_gap: dict[str, int] = {}
@@ -332,11 +334,15 @@ class Planner:
         return self._with_probes(drafts, best_lengths)
 
     def _uniform_length(self, name: str, n_seq: int) -> int:
-        """argmax_k E(k) / (cost(n_seq * (1 + k)) / n_seq + k * c): every sequence drafting k tokens with `name`."""
-        gains, per_token = self.acceptance.gains(name), self._draft_cost(name)
-        best_k, best = 0, 1.0 / (self.costs(n_seq) / n_seq)
+        """argmax_k of the tokens per second if every sequence asked `name` for k tokens: with y the fraction of
+        asks that give a draft at all (a draft model stops below --draft-p-min and then gives none, but its seed
+        row was paid for), (1 + y (E(k) - 1)) / ((y cost(n_seq (1 + k)) + (1 - y) cost(n_seq)) / n_seq + k c)."""
+        gains, per_token, y = self.acceptance.gains(name), self._draft_cost(name), self.yields.get(name, 1.0)
+        plain = self.costs(n_seq)
+        best_k, best = 0, 1.0 / (plain / n_seq)
         for k in range(1, self.n_max + 1):
-            rate = expected_tokens(gains, k) / (self.costs(n_seq * (1 + k)) / n_seq + k * per_token)
+            verify = y * self.costs(n_seq * (1 + k)) + (1 - y) * plain
+            rate = (1 + y * (expected_tokens(gains, k) - 1)) / (verify / n_seq + k * per_token)
             if rate > best:
                 best_k, best = k, rate
         return best_k
@@ -366,6 +372,11 @@ class Planner:
     def observe_drafting(self, name: str, seconds: float, n_tokens: int) -> None:
         """One draft call of drafter `name` took `seconds` and produced `n_tokens` over all sequences."""
         self.draft_costs.setdefault(name, DraftCost()).observe(seconds, n_tokens)
+
+    def observe_yield(self, name: str, n_asked: int, n_drafts: int) -> None:
+        """Drafter `name` was asked to draft for n_asked sequences and gave n_drafts non-empty drafts."""
+        y = self.yields.get(name, 1.0)
+        self.yields[name] = y + (1 - ACCEPT_DECAY) * (n_drafts / n_asked - y)
 
     def observe_accept(self, name: str, n_drafted: int, n_accepted: int) -> None:
         self.acceptance.observe(name, n_drafted, n_accepted)

@@ -142,7 +142,10 @@ class Chain:
                     p.probs = None
         st = self.stats[d.name]
         st.n_call_draft += 1
-        st.n_proposed += sum(1 for p in asking if p.result)
+        n_drafts = sum(1 for p in asking if p.result)
+        st.n_proposed += n_drafts
+        if self.planner is not None:
+            self.planner.observe_yield(d.name, len(asking), n_drafts)
         st.t_draft_us += (t1 - t_catch_up) * 1e6
         return t1 - t0
 

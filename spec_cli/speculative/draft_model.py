@@ -25,6 +25,9 @@ DRAFT_TOP_K = 10  # llama.cpp LLAMA_DRAFT_TOP_K
 VOCAB_MAX_SIZE_DIFFERENCE = 128  # llama.cpp SPEC_VOCAB_MAX_SIZE_DIFFERENCE
 VOCAB_CHECK_START_TOKEN_ID = 5  # llama.cpp SPEC_VOCAB_CHECK_START_TOKEN_ID
 DEFER_MAX = 64  # target positions a sequence's draft cache may lag behind before `process` catches it up
+# A lag of at most this many rows (the usual accepted tokens of the last step) is decoded in draft(), in the seed
+# row's batch and priced as drafting: every step pays it. `catch_up` takes only longer lags (an idle drafter).
+CATCH_UP_MIN = 16
 
 
 def check_vocab_compatible(target_tok, draft_tok) -> None:
@@ -80,11 +83,13 @@ class DraftModelDrafter:
 
     def catch_up(self, params: list[DraftParams]) -> None:
         """Called by the chain before `draft`, outside the drafting time the adaptive planner prices (a drafted token
-        should not look dear because the cache fell behind while this drafter was idle): decode the committed rows
-        the draft cache lacks but the last, which goes with the seed row in `draft`."""
+        should not look dear because the cache fell behind while this drafter was idle): for a sequence more than
+        CATCH_UP_MIN rows behind, decode the committed rows the draft cache lacks but the last, which goes with the
+        seed row in `draft`. A shorter lag is the cost of every step, and left to `draft`: one decode, priced."""
         batch = Batch()
         for p in params:
-            self._add_catch_up(batch, p.seq, p.prompt, p.pos0 - 1, seed=False)
+            if p.pos0 - common_prefix(self._synced(p.seq), p.prompt) > CATCH_UP_MIN:
+                self._add_catch_up(batch, p.seq, p.prompt, p.pos0 - 1, seed=False)
         if len(batch):
             self._decode(batch)
 
