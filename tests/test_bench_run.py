@@ -6,7 +6,6 @@ plain rows of the same invocation. Plus the CLI (stdout carries only the chosen 
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 from rich.console import Console
@@ -18,11 +17,12 @@ from spec_cli.bench.printers import format_md
 from spec_cli.bench.prompts import BUILTIN_SETS, load_prompt_set, render_tokens
 from spec_cli.bench.runner import Progress, run_bench
 from spec_cli.bench.verify_cost import break_even_acceptance, expected_length
-from spec_cli.cli import app, main
+from spec_cli.cli import app
 from spec_cli.context import Context
 from spec_cli.errors import SpecCliError, UsageError
 from spec_cli.gguf_file import GGUFFile
 from spec_cli.tokenizer import Tokenizer
+from tests.test_lookup_cli import cli
 from tests.tiny_mtp import write_tiny_mtp_gguf
 
 
@@ -267,14 +267,7 @@ def test_cli_baseline_gate(tiny_model_path, tmp_path):
 
 
 def bench_cli(capsys, monkeypatch, *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["spec-cli", "bench", *args])
-    try:
-        main()
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out, err = capsys.readouterr()
-    return code, out, err
+    return cli(monkeypatch, capsys, "bench", *args)
 
 
 @pytest.mark.parametrize("terminal", [False, True])
