@@ -20,7 +20,7 @@ from spec_cli.context import Context
 from spec_cli.sampling import SamplingParams
 from spec_cli.speculative import adaptive
 from spec_cli.speculative.adaptive import (
-    AUTO, AUTO_DRAFT_MAX, PROBE_GAP_MIN, AcceptanceModel, CostModel, DraftCost, Planner, expected_tokens,
+    AUTO, AUTO_DRAFT_MAX, PROBE_GAP_MAX, PROBE_GAP_MIN, AcceptanceModel, CostModel, DraftCost, Planner, expected_tokens,
 )
 from spec_cli.speculative.chain import Chain
 from tests.test_bench_run import prompt_file, tiny  # noqa: F401 (fixture)
@@ -244,8 +244,23 @@ def test_a_useless_drafter_is_probed_with_growing_gaps_and_recovers():
     planner.step = 1000  # due again: the probe survives the plan that says 0
     assert planner.drafting_caps(["x"], 1) == {"x": 1}
     assert planner.plan([("x", 1)], 0.0) == [1]
-    planner.observe_accept("x", 1, 1)  # it was right: the next probe comes after the shortest gap again
-    assert planner.probe_gap["x"] == PROBE_GAP_MIN
+    planner.acceptance.gains = lambda name: [0.99 ** j for j in range(1, AUTO_DRAFT_MAX + 1)]
+    planner.costs = flat()
+    assert planner.drafting_caps(["x"], 1)["x"] > 1  # right now, and worth asking ...
+    assert planner.probe_gap["x"] == PROBE_GAP_MIN  # ... so should it fall back to 0, its probes start over
+
+
+def test_a_right_but_dear_drafter_is_probed_ever_more_rarely():
+    """A draft model that is right but costs more than it saves (free writing) is not probed again soon because
+    its probes were accepted; its gaps start longer, in proportion to its price per token."""
+    planner = planner_with(flat(), {"x": 0.97})
+    planner.observe_drafting("x", 9.0, 1)  # not priced
+    planner.observe_drafting("x", 1.0, 1)  # a forward per drafted token: 10 tenths, gaps from 10 x 16 steps
+    probes = [step for step in range(1, 1000) if planner.drafting_caps(["x"], 1)["x"] == 1]
+    assert [b - a for a, b in zip(probes, probes[1:])][:3] == [10 * PROBE_GAP_MIN, PROBE_GAP_MAX, PROBE_GAP_MAX]
+    for _ in range(5):
+        planner.observe_accept("x", 1, 1)  # every probe accepted
+    assert planner.drafting_caps(["x"], 1) == {"x": 0}
 
 
 # --- lossless, end to end ------------------------------------------------------------------------------------

@@ -147,6 +147,32 @@ def test_a_short_lag_is_decoded_with_the_seed_row_and_a_long_one_caught_up_apart
     assert 2 <= sizes[0] <= 4  # those rows and the seed row, one decode
 
 
+def test_an_idle_draft_model_is_not_prefilled_and_restarts_from_a_window(tiny_model_path, monkeypatch):
+    """A sequence not asked for drafts stops being prefilled; asked again far behind, its draft cache restarts from
+    the last RESTART_WINDOW committed tokens, and drafting goes on from there at shifted draft positions."""
+    from spec_cli.batch import Batch
+    from spec_cli.context import Context
+    from spec_cli.loader import load_model
+    from spec_cli.speculative.base import DraftParams
+
+    monkeypatch.setattr(draft_model, "RESTART_WINDOW", 8)
+    ctx = Context(load_model(tiny_model_path, device="cpu"), n_ctx=256)
+    drafter = draft_model.DraftModelDrafter(ctx, SpecParams(draft_max=3, draft_p_min=0.0), 1)
+    tokens = [40 + i % 50 for i in range(150)]
+    drafter.begin(0, [])
+    for pos in range(len(tokens)):  # one target decode per token, the drafter never asked
+        batch = Batch()
+        batch.add(tokens[pos], pos, 0, True)
+        drafter.process(batch)
+    assert ctx.lengths[0] <= draft_model.DEFER_MAX + draft_model.IDLE_STEPS  # prefilled only while not yet idle
+    p = DraftParams(seq=0, n_max=3, pos0=len(tokens), id_last=7, prompt=tokens)
+    drafter.catch_up([p])
+    drafter.draft([p])
+    assert drafter.offset[0] == len(tokens) - 8
+    assert drafter.cached[0][:9] == tokens[-8:] + [7] and len(p.result) == 3
+    assert ctx.lengths[0] == 8 + 1 + 2  # the window, the seed row, the draft tokens decoded to draft the next
+
+
 def test_draft_catch_ups_longer_than_n_batch_are_split(tiny_model_path, plain_outputs):
     """Prompt chunks of 8 rows: every draft-cache catch-up (prompt + deferred rows) spans several decodes."""
     params = SpecParams(types=["draft-simple"], draft_max=6, draft_p_min=0.0)

@@ -23,6 +23,7 @@ denominator, so a draft that was paid for is not thrown away for nothing.
 from __future__ import annotations
 
 import bisect
+import math
 import json
 import os
 import random
@@ -298,7 +299,9 @@ class Planner:
         caps = {}
         for name in names:
             k = self._uniform_length(name, n_seq)
-            if k == 0 and self._probe_due(name):
+            if k > 0:  # worth asking: should it fall back to 0, its probes start over at the shortest gap
+                self.probe_gap[name] = self._probe_gap_min(name)
+            elif self._probe_due(name):
                 k = 1
                 self.probing.add(name)
             caps[name] = k
@@ -358,10 +361,16 @@ class Planner:
     def _probe_due(self, name: str) -> bool:
         if self.step < self.next_probe.get(name, 0):
             return False
-        gap = self.probe_gap.get(name, PROBE_GAP_MIN)
+        gap = self.probe_gap.get(name, self._probe_gap_min(name))
         self.next_probe[name] = self.step + gap
         self.probe_gap[name] = min(2 * gap, PROBE_GAP_MAX)
         return True
+
+    def _probe_gap_min(self, name: str) -> int:
+        """PROBE_GAP_MIN steps, times the drafter's price per token in tenths of a one-row target forward: a draft
+        model's probe (with the catch-up of its idle cache) costs forwards, an n-gram drafter's next to nothing."""
+        tenths = math.ceil(10 * self._draft_cost(name) / self.costs(1)) if self.costs.calibrated else 1
+        return min(PROBE_GAP_MIN * max(1, tenths), PROBE_GAP_MAX)
 
     def _draft_cost(self, name: str) -> float:
         cost = self.draft_costs.get(name)
@@ -380,8 +389,6 @@ class Planner:
 
     def observe_accept(self, name: str, n_drafted: int, n_accepted: int) -> None:
         self.acceptance.observe(name, n_drafted, n_accepted)
-        if n_accepted:
-            self.probe_gap[name] = PROBE_GAP_MIN  # alive again: probe it soon should it fall back to 0
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """The verify side of a step whose target forward computed `rows` rows took `seconds`."""

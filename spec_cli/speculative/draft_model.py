@@ -4,8 +4,11 @@ The draft context follows the target's KV position for position, lazily: `proces
 tokens, and `draft` decodes what the draft cache lacks (positions past the common prefix of its tokens and the
 committed history: rejected draft tokens are replaced, accepted ones were decoded while drafting) in one batch with
 id_last for every drafting sequence, so a verify step usually costs the draft nothing. A sequence more than
-DEFER_MAX positions behind (a prompt, or steps where the adaptive planner did not ask this drafter) is caught up by
-`process` itself, in one batch: an idle draft model costs one decode per DEFER_MAX target tokens, not one per step.
+DEFER_MAX positions behind (a prompt) is caught up by `process` itself, in one batch. A sequence the adaptive
+planner stopped asking (IDLE_STEPS target decodes without a draft) is not prefilled at all; when it is asked again
+(a probe) more than RESTART_WINDOW rows behind, its draft cache restarts from the last RESTART_WINDOW committed
+tokens at draft position 0 (`offset` maps target to draft positions; rope only sees relative positions), so an
+unused draft model costs a window per probe instead of a prefill of every token.
 Then one batch per draft position, taking the top-1 of a top-k 10 softmax and stopping below p_min.
 When verification is by rejection (`DraftParams.sampling` set), the draft instead samples each token from its own
 distribution under the target's sampler settings and returns those distributions (q) for exact rejection sampling.
@@ -28,6 +31,11 @@ DEFER_MAX = 64  # target positions a sequence's draft cache may lag behind befor
 # A lag of at most this many rows (the usual accepted tokens of the last step) is decoded in draft(), in the seed
 # row's batch and priced as drafting: every step pays it. `catch_up` takes only longer lags (an idle drafter).
 CATCH_UP_MIN = 16
+# A sequence not asked for a draft in IDLE_STEPS target decodes stops being prefilled (keeping an unused draft
+# model in step cost a fifth of a 1.5b decode per token on the CPU); asked again more than RESTART_WINDOW rows
+# behind, its draft cache restarts from the last RESTART_WINDOW committed tokens, at draft positions from 0.
+IDLE_STEPS = 8
+RESTART_WINDOW = 32
 
 
 def check_vocab_compatible(target_tok, draft_tok) -> None:
@@ -59,12 +67,15 @@ class DraftModelDrafter:
             raise SpecCliError(f"draft context has {ctx.n_seq} sequences, the target {n_seq}")
         self.ctx = ctx
         self.params = params
-        self.cached: list[list[int]] = [[] for _ in range(n_seq)]  # tokens in the draft KV, by position
+        self.cached: list[list[int]] = [[] for _ in range(n_seq)]  # tokens in the draft KV, by draft position
         self.target: list[list[int]] = [[] for _ in range(n_seq)]  # tokens in the target KV, as far as known
+        self.offset = [0] * n_seq  # target position of draft position 0 (> 0 after a restart from a window)
+        self.idle = [0] * n_seq  # target decodes since the sequence last asked for a draft
         self.rng: list[torch.Generator | None] = [None] * n_seq  # per request, for sampled drafts
 
     def begin(self, seq: int, prompt: list[int]) -> None:
         self.rng[seq] = None  # the prompt itself arrived through process()
+        self.idle[seq] = 0  # a new request: its first draft catches the whole prompt up, never from a window
 
     def process(self, batch: Batch) -> None:
         late = Batch()
@@ -74,9 +85,13 @@ class DraftModelDrafter:
             if p0 > len(known):  # positions filled without this drafter: draft() catches up from the history
                 known.clear()
                 continue
+            if p0 < self.offset[seq]:  # the target went back before the window: start over from position 0
+                self.offset[seq] = 0
+                self._trim(seq, 0)
             del known[p0:]
             known.extend(batch.tokens[i] for i in rows)
-            if len(known) - common_prefix(self._synced(seq), known) > DEFER_MAX:
+            self.idle[seq] += 1
+            if self.idle[seq] <= IDLE_STEPS and self._lag(seq, known) > DEFER_MAX:
                 self._add_catch_up(late, seq, known, len(known), seed=False)
         if len(late):
             self._decode(late)
@@ -88,7 +103,12 @@ class DraftModelDrafter:
         seed row in `draft`. A shorter lag is the cost of every step, and left to `draft`: one decode, priced."""
         batch = Batch()
         for p in params:
-            if p.pos0 - common_prefix(self._synced(p.seq), p.prompt) > CATCH_UP_MIN:
+            lag = self._lag(p.seq, p.prompt)
+            if self.idle[p.seq] > IDLE_STEPS and lag > RESTART_WINDOW:
+                self._trim(p.seq, 0)
+                self.offset[p.seq] = p.pos0 - RESTART_WINDOW
+                lag = RESTART_WINDOW
+            if lag > CATCH_UP_MIN:
                 self._add_catch_up(batch, p.seq, p.prompt, p.pos0 - 1, seed=False)
         if len(batch):
             self._decode(batch)
@@ -97,6 +117,7 @@ class DraftModelDrafter:
         batch = Batch()
         last_row: dict[int, int] = {}
         for p in params:
+            self.idle[p.seq] = 0
             known = self.target[p.seq]
             if len(known) < p.pos0:  # the target's KV was filled without process(): the history says what it holds
                 known[:] = p.prompt
@@ -126,7 +147,7 @@ class DraftModelDrafter:
                 if len(p.result) >= min(p.n_max, self.params.draft_max):
                     del active[seq]
                     continue
-                step.add(ids[row], p.pos0 + len(p.result), seq, True)
+                step.add(ids[row], p.pos0 + len(p.result) - self.offset[seq], seq, True)
             if not len(step):
                 break
             logits = self._decode(step)
@@ -159,21 +180,28 @@ class DraftModelDrafter:
         return self.cached[seq]
 
     def _trim(self, seq: int, pos: int) -> None:
+        """Keep draft positions [0, pos)."""
         self.ctx.seq_rm(seq, pos)
         del self.cached[seq][pos:]
 
+    def _lag(self, seq: int, history: list[int]) -> int:
+        """Rows of `history` (target tokens by target position) past what the draft cache holds."""
+        off = self.offset[seq]
+        return len(history) - off - common_prefix(self._synced(seq), history[off:])
+
     def _add_catch_up(self, batch: Batch, seq: int, history: list[int], end: int, seed: bool) -> bool:
-        """Add the rows that bring seq's draft cache to history[:end] (trimming what differs). With `seed` the last
-        row is decoded even when cached, and flagged: its logits seed a draft. False, adding nothing, when a row is
-        outside a smaller draft vocabulary (then the sequence gets no draft)."""
-        start = common_prefix(self._synced(seq), history[:end])
+        """Add the rows that bring seq's draft cache to history[offset:end] (trimming what differs). With `seed` the
+        last row is decoded even when cached, and flagged: its logits seed a draft. False, adding nothing, when a row
+        is outside a smaller draft vocabulary (then the sequence gets no draft)."""
+        off = self.offset[seq]
+        start = off + common_prefix(self._synced(seq), history[off:end])
         if seed:
             start = min(start, end - 1)
         if start >= end or max(history[start:end]) >= self.ctx.config.n_vocab:
             return False
-        self._trim(seq, start)
+        self._trim(seq, start - off)
         for pos in range(start, end):
-            batch.add(history[pos], pos, seq, seed and pos == end - 1)
+            batch.add(history[pos], pos - off, seq, seed and pos == end - 1)
         return True
 
     def _decode(self, batch: Batch) -> torch.Tensor:
