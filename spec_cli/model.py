@@ -216,7 +216,8 @@ class Block(nn.Module):
             h = self.post_ffn_norm(h)
         return x + h
 
-    def _forward_kernels(self, desc, x, plan: ForwardPlan, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def _forward_kernels(self, desc, x, plan: ForwardPlan, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor) -> torch.Tensor:
         """The whole block in one kernel call (kernels.cpp sc_block): the steps of forward() on the kernels, rope and
         cache writes row by row."""
         cfg = self.attn.cfg

@@ -628,8 +628,9 @@ SC_AVX2 void dot_q6k_avx2(const uint8_t* w, const ActRows& a, const int64_t* row
             v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
                                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2));
             for (int g = 0; g < 4; g++) {  // 32 values with scales s[2g] (first 16) and s[2g + 1] (last 16)
-                const __m256i scv = _mm256_shuffle_epi8(sc_half, _mm256_set_m128i(
-                    _mm_set1_epi16((short)(0x0100 + 0x0202 * (2 * g + 1))), _mm_set1_epi16((short)(0x0100 + 0x0202 * (2 * g)))));
+                const __m128i pick_lo = _mm_set1_epi16((short)(0x0100 + 0x0202 * (2 * g)));  // bytes of s[2g]
+                const __m128i pick_hi = _mm_set1_epi16((short)(0x0100 + 0x0202 * (2 * g + 1)));
+                const __m256i scv = _mm256_shuffle_epi8(sc_half, _mm256_set_m128i(pick_hi, pick_lo));
                 for (int r = 0; r < R; r++) {
                     const int8_t* y = q[r] + b * 256 + 128 * half + 32 * g;
                     const __m256i p = _mm256_maddubs_epi16(v[g], _mm256_loadu_si256((const __m256i*)y));
