@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from spec_cli.bench import Result
+from spec_cli.bench import Result, printers
 from spec_cli.bench.printers import format_csv, format_json, format_jsonl, format_md, format_rows, format_sql
 
 BUILD = dict(build_commit="abc1234", build_version="0.1.0", torch_version="2.13.0", cpu_info="Test CPU",
@@ -177,3 +177,12 @@ def test_sql():
 def test_none_format_and_empty_results():
     assert format_rows(dicts(PP), "none") == ""
     assert format_md([]) == ""
+
+
+def test_md_columns_widen_to_their_longest_cell():
+    """A chain name longer than its column (ngram-simple,ngram-mod,ngram-cache) keeps the table's pipes aligned."""
+    table = printers._md_table([("spec_type", -8), ("t/s", 5)], [["ngram-simple,ngram-mod,ngram-cache", "1.0"],
+                                                               ["none", "22.5"]])
+    lines = table.splitlines()
+    assert len({len(line) for line in lines}) == 1
+    assert [line.index("|", 1) for line in lines] == [lines[0].index("|", 1)] * len(lines)

@@ -48,6 +48,10 @@ def format_md(rows: list[dict]) -> str:
 
 
 def _md_table(cols: list[tuple[str, int]], cells: list[list[str]]) -> str:
+    # a column is at least as wide as its longest cell (a long chain name), so the pipes stay aligned
+    cols = [(name, (1 if w > 0 else -1) * max(abs(w), len(name), *(len(str(c[i])) for c in cells)))
+            for i, (name, w) in enumerate(cols)]
+
     def line(values):
         return "|" + "".join(f" {v:>{w}} |" if w > 0 else f" {v:<{-w}} |" for v, (_, w) in zip(values, cols)) + "\n"
 
