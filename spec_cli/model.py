@@ -200,7 +200,9 @@ class Block(nn.Module):
         self.ffn = FeedForward(cfg)
         self.post_attn_norm = RMSNorm(cfg.n_embd, cfg.rms_eps) if cfg.post_norms else None
         self.post_ffn_norm = RMSNorm(cfg.n_embd, cfg.rms_eps) if cfg.post_norms else None
-        self._kernel_desc: tuple[tuple, kernels.BlockDesc | None] = ((), None)  # (what it was built from, desc)
+        # (sc_block descriptor or None where it does not apply, the parts its pointers point into, kept alive);
+        # built on first use, reset by qlinear.fuse_block_projections, the one place projections change after load
+        self.kernel: tuple[kernels.BlockDesc | None, tuple] | None = None
 
     def forward(self, x, plan, rope, k_cache, v_cache):
         if kernels.usable(x) and k_cache.dtype == torch.float32:
@@ -231,25 +233,22 @@ class Block(nn.Module):
 
     def kernel_desc(self) -> "kernels.BlockDesc | None":
         """The block as kernels.cpp's ScBlock, or None where a projection is not a QLinear (float weights, or q/k/v
-        or gate/up not fused). Rebuilt when a projection or norm was replaced (the MTP head is quantized after
-        training)."""
-        attn, ffn = self.attn, self.ffn
-        projections = (attn.qkv, attn.wo, ffn.gate_up, ffn.w_down)
-        norms = tuple(n.weight if n is not None else None for n in (self.attn_norm, self.ffn_norm, self.post_attn_norm,
-                                                                    self.post_ffn_norm, attn.q_norm, attn.k_norm))
-        parts = projections + norms
-        built_from, desc = self._kernel_desc
-        if len(built_from) == len(parts) and all(a is b for a, b in zip(built_from, parts)):
-            return desc
-        desc = None
-        if all(isinstance(p, QLinear) for p in projections):
-            cfg = attn.cfg
-            desc = kernels.BlockDesc(
-                cfg.n_embd, ffn.gate_up.sizes[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rope_dim,
-                cfg.rope_type == "neox", ffn.gelu, cfg.rms_eps, cfg.attn_scale, 0,  # window: set per call
-                *(n.data_ptr() if n is not None else None for n in norms), *(p.desc for p in projections))
-        self._kernel_desc = (parts, desc)
-        return desc
+        or gate/up not fused)."""
+        if self.kernel is None:
+            attn, ffn = self.attn, self.ffn
+            projections = (attn.qkv, attn.wo, ffn.gate_up, ffn.w_down)
+            norms = tuple(n.weight if n is not None else None for n in (self.attn_norm, self.ffn_norm,
+                                                                        self.post_attn_norm, self.post_ffn_norm,
+                                                                        attn.q_norm, attn.k_norm))
+            desc = None
+            if all(isinstance(p, QLinear) for p in projections):
+                cfg = attn.cfg
+                desc = kernels.BlockDesc(
+                    cfg.n_embd, ffn.gate_up.sizes[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rope_dim,
+                    cfg.rope_type == "neox", ffn.gelu, cfg.rms_eps, cfg.attn_scale, 0,  # window: set per call
+                    *(kernels.ptr(n) for n in norms), *(p.desc for p in projections))
+            self.kernel = (desc, projections + norms)
+        return self.kernel[0]
 
 
 class Embedding(nn.Module):

@@ -103,7 +103,8 @@ def fuse_projections(model: nn.Module) -> None:
 
 
 def fuse_block_projections(block: nn.Module) -> None:
-    """fuse_projections for one block (model.Block)."""
+    """fuse_projections for one block (model.Block); its kernel descriptor is rebuilt on next use."""
+    block.kernel = None
     for owner, names, attr in ((block.attn, ("wq", "wk", "wv"), "qkv"), (block.ffn, ("w_gate", "w_up"), "gate_up")):
         parts = [getattr(owner, n) for n in names]
         if not all(isinstance(m, QLinear) for m in parts):

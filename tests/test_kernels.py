@@ -534,6 +534,10 @@ def test_tiny_model_on_the_kernels_is_close_to_float32_weights(tmp_path, arch, q
     q, f32 = load_model(path, device="cpu"), load_model(path, device="cpu", dtype="f32")
     assert q.weights == "q" and f32.weights == "f32"
     assert all(block.kernel_desc() is not None for block in q.model.layers)  # each block is one kernel call
+    first = q.model.layers[0].kernel_desc()
+    assert q.model.layers[0].kernel_desc() is first  # built once ...
+    qlinear.fuse_block_projections(q.model.layers[0])  # ... and again after projections change (the MTP head)
+    assert q.model.layers[0].kernel is None and q.model.layers[0].kernel_desc() is not first
     batch = Batch()
     for i, tok in enumerate(range(40, 72)):
         batch.add(tok, i, 0, True)

@@ -113,11 +113,12 @@ class LinearDesc(ctypes.Structure):
         if not 1 <= len(segments) <= MAX_SEGMENTS:
             raise ValueError(f"a linear layer takes 1 to {MAX_SEGMENTS} weight segments, got {len(segments)}")
         super().__init__(len(segments), tuple(int(t) for t, _ in segments), tuple(r.data_ptr() for _, r in segments),
-                         tuple(r.shape[0] for _, r in segments), K, _ptr(bias))
+                         tuple(r.shape[0] for _, r in segments), K, ptr(bias))
         self.n_total = sum(r.shape[0] for _, r in segments)
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
+def ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's data pointer for ctypes, None for no tensor."""
     return t.data_ptr() if t is not None else None
 
 
@@ -192,8 +193,7 @@ def qkv_prep(qkv: torch.Tensor, n_head: int, n_kv_head: int, head_dim: int, q_no
     q = torch.empty(R, n_head, head_dim, dtype=torch.float32)
     cos, sin = rope
     _lib.sc_qkv_prep(qkv.data_ptr(), qkv.stride(0), R, n_head, n_kv_head, head_dim,
-                     q_norm.data_ptr() if q_norm is not None else None,
-                     k_norm.data_ptr() if k_norm is not None else None, eps, cos.data_ptr(), sin.data_ptr(), rope_dim,
+                     ptr(q_norm), ptr(k_norm), eps, cos.data_ptr(), sin.data_ptr(), rope_dim,
                      int(neox), row_seq.data_ptr(), row_pos.data_ptr(), row_write.data_ptr(), k_cache.data_ptr(),
                      v_cache.data_ptr(), k_cache.shape[2], q.data_ptr())
     return q

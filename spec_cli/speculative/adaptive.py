@@ -23,8 +23,8 @@ denominator, so a draft that was paid for is not thrown away for nothing.
 from __future__ import annotations
 
 import bisect
-import math
 import json
+import math
 import os
 import random
 import time
