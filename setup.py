@@ -19,6 +19,7 @@ setup(
         Extension(
             "spec_cli.kernels._kernels",
             sources=["spec_cli/kernels/kernels.cpp"],
+            depends=["spec_cli/kernels/x8_kernels.h"],
             extra_compile_args=flags,
             extra_link_args=["-pthread"],
             language="c++",

@@ -196,6 +196,9 @@ def load_model(
         raise SpecCliError(f"{gf.path.name}: missing tensors for {', '.join(missing[:5])}")
     if quantize:
         fuse_projections(model)
+        for m in model.modules():  # packed for the kernels now, not during the first request
+            if isinstance(m, QLinear):
+                m.desc
     model.eval()
     kept_quantized = any(m.quantized for m in model.modules() if isinstance(m, QLinear))
     weights = "q" if kept_quantized else _DTYPE_NAMES[torch_dtype]

@@ -2,8 +2,9 @@
 compiled kernels (spec_cli/kernels).
 
 A `QLinear` holds one or more weight segments, each the GGUF bytes of a [n_out, n_in] matrix as the file has them
-(a view of the memory map: nothing is repacked or re-quantized at load). Activations are quantized per block the way
-ggml does (Q8_0 / Q8_1 / Q8_K) and multiplied with integer dot products, so the logits follow llama.cpp's closely and
+(a view of the memory map; nothing is re-quantized, and the kernels read Q4_K rows regrouped 8 at a time,
+`kernels.pack`, made when the layer is first described to them). Activations are quantized per block the way ggml
+does (Q8_0 / Q8_1 / Q8_K) and multiplied with integer dot products, so the logits follow llama.cpp's closely and
 each row's result is the same whatever else is in the batch. Block types the kernels do not multiply as they are
 (Q2_K, Q3_K, the IQ types, BF16) are dequantized once to float32 rows.
 
@@ -61,8 +62,8 @@ class QLinear(nn.Module):
 
     @property
     def desc(self) -> kernels.LinearDesc:
-        """What the kernels read (raw pointers), rebuilt when the bias was replaced: the loader may set it after the
-        weight."""
+        """What the kernels read (the segments packed, `kernels.pack`, on first use), rebuilt when the bias was
+        replaced: the loader may set it after the weight."""
         if self._desc is None or self._desc[0] is not self.bias:
             self._desc = (self.bias, kernels.LinearDesc(self.segments, self.n_in, self.bias))
         return self._desc[1]

@@ -201,6 +201,36 @@ def test_avx2_and_scalar_kernels_agree(qtype):
     assert (diff <= 1e-5 * scale + 1e-30).all(), f"{qtype.name}: max |avx2 - scalar| / (|x| @ |w|) = {ratio:.3g}"
 
 
+@pytest.mark.parametrize("qtype", sorted(kernels.PACKED_TYPES), ids=lambda t: t.name)
+def test_rows_are_packed_8_at_a_time_where_avx2_and_scalar_give_the_same_bits(qtype):
+    """Rows of these types are regrouped 8 at a time (X8) for the kernels, the last group padded; the AVX2 and
+    scalar kernels do the same arithmetic lane by lane there."""
+    if not kernels.has_avx2():
+        pytest.skip("this CPU has no AVX2/FMA/F16C")
+    raw, _ = make_weight(qtype, (N, K), seed=2)
+    layer = QLinear.from_gguf(raw, qtype, (N, K))
+    assert [(t, p.shape[0]) for t, p in kernels.pack(layer.segments)] == [(kernels.X8 + qtype, N)]
+    x = make_rows(16, seed=3)
+    fast = with_isa(True, lambda: layer(x))
+    slow = with_isa(False, lambda: layer(x))
+    assert torch.equal(fast, slow)
+
+
+@pytest.mark.parametrize("qtype", sorted(kernels.PACKED_TYPES), ids=lambda t: t.name)
+def test_vnni_and_avx2_packed_products_give_the_same_bits(qtype):
+    if not kernels.has_vnni():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    raw, _ = make_weight(qtype, (N, K), seed=13)
+    layer = QLinear.from_gguf(raw, qtype, (N, K))
+    x = make_rows(16, seed=14)
+    vnni = layer(x)
+    kernels.use_vnni(False)
+    try:
+        assert torch.equal(layer(x), vnni)
+    finally:
+        kernels.use_vnni(True)
+
+
 # --- (c) each row's output is independent of the batch ---------------------------------------------------------
 
 @pytest.mark.parametrize("qtype", NATIVE, ids=lambda t: t.name)

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 T = GGMLQuantizationType
 # weight types the kernels multiply as they are; others are dequantized to F32 rows first
@@ -46,6 +46,7 @@ _BUILD = (lambda st: f"{st.st_size}-{st.st_mtime_ns}")(Path(_lib._name).stat()) 
 if _lib is not None:
     _lib.sc_init.argtypes = [ctypes.c_int, ctypes.c_int, _i64]
     _lib.sc_has_avx2.restype = ctypes.c_int
+    _lib.sc_has_vnni.restype = ctypes.c_int
     _lib.sc_linear.argtypes = [_vp, _vp, _i64, _vp, _i64]
     _lib.sc_linear.restype = ctypes.c_int
     _lib.sc_block.argtypes = [_vp, _vp, _i64, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i64, _vp]
@@ -57,8 +58,10 @@ if _lib is not None:
                                  _vp, _vp, ctypes.c_int, ctypes.c_int, _vp, _vp, _vp, _vp, _vp, _i64, _vp]
     _lib.sc_glu.argtypes = [_vp, _i64, _i64, _i64, ctypes.c_int, _vp]
     _lib.sc_quantize_row.argtypes = [ctypes.c_int, _vp, _i64, _vp, _vp, _vp, _vp]
+    _lib.sc_pack_x8.argtypes = [ctypes.c_int, _vp, _i64, _i64, _vp]
+    _lib.sc_pack_x8.restype = ctypes.c_int
 
-_state = {"threads": 0, "avx2": True}
+_state = {"threads": 0, "avx2": True, "vnni": True}
 
 
 def available() -> bool:
@@ -87,23 +90,58 @@ def use_avx2(enabled: bool) -> None:
     _state["threads"] = 0  # re-init on the next call
 
 
+def use_vnni(enabled: bool) -> None:
+    """Let the packed products use AVX-512 VNNI (default, where the CPU has it) or keep them to AVX2: the same
+    bits either way (tests compare both)."""
+    _state["vnni"] = enabled
+    _state["threads"] = 0
+
+
 def has_avx2() -> bool:
     return _lib is not None and bool(_lib.sc_has_avx2())
+
+
+def has_vnni() -> bool:
+    return _lib is not None and bool(_lib.sc_has_vnni())
 
 
 def _sync_threads() -> None:
     n = torch.get_num_threads()
     if n != _state["threads"]:
-        _lib.sc_init(n, int(_state["avx2"]), SPIN_NS)
+        _lib.sc_init(n, 2 if _state["avx2"] and _state["vnni"] else int(_state["avx2"]), SPIN_NS)
         _state["threads"] = n
 
 
-MAX_SEGMENTS = 8  # ScLinear's arrays (kernels.cpp)
+MAX_SEGMENTS = 8  # ScLinear's arrays (kernels.cpp MAX_SEG)
+X8 = 256  # type id offset of rows repacked 8 at a time (kernels.cpp X8)
+PACKED_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K})  # those with an X8 layout
+
+
+def pack(segments: list[tuple[GGMLQuantizationType, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
+    """Weight segments as the kernels read them fastest: the rows of a segment of a PACKED_TYPES type regrouped 8 at
+    a time (type X8 + its id: the same bytes in another order, as ggml's CPU backend repacks Q4_0/Q4_K for AVX2),
+    the last group padded with zero rows that the kernels compute and never write (so every row of such a matrix
+    goes through the same kernel: a row's result does not depend on how many rows the matrix has); everything
+    else as it is. Packing copies those weights (the memory map's pages are then left alone)."""
+    out: list[tuple[int, torch.Tensor]] = []
+    for qtype, raw in segments:
+        if qtype not in PACKED_TYPES:
+            out.append((qtype, raw))
+            continue
+        _sync_threads()
+        n, row = raw.shape
+        padded = torch.zeros((n + 7) // 8 * 8, row, dtype=torch.uint8)
+        padded[:n] = raw
+        block, size = GGML_QUANT_SIZES[qtype]
+        _lib.sc_pack_x8(int(qtype), padded.data_ptr(), padded.shape[0], row // size * block, padded.data_ptr())
+        out.append((X8 + int(qtype), padded[:n]))  # n rows; the padding lives on in the view's storage
+    return out
 
 
 class LinearDesc(ctypes.Structure):
     """kernels.cpp's ScLinear: weight segments [(qtype, raw [n_out, row_bytes] uint8)] stacked along the outputs, of
-    rows of K inputs, plus a bias [sum n_out] or None. Holds raw pointers: the tensors must outlive it."""
+    rows of K inputs, plus a bias [sum n_out] or None. Packs the segments (`pack`) and keeps them; holds raw pointers
+    to the bias: it must outlive the descriptor."""
 
     _fields_ = [("n_seg", ctypes.c_int32), ("wtypes", ctypes.c_int32 * MAX_SEGMENTS),
                 ("weights", ctypes.c_void_p * MAX_SEGMENTS), ("n_out", ctypes.c_int64 * MAX_SEGMENTS),
@@ -112,6 +150,7 @@ class LinearDesc(ctypes.Structure):
     def __init__(self, segments: list[tuple[GGMLQuantizationType, torch.Tensor]], K: int, bias: torch.Tensor | None):
         if not 1 <= len(segments) <= MAX_SEGMENTS:
             raise ValueError(f"a linear layer takes 1 to {MAX_SEGMENTS} weight segments, got {len(segments)}")
+        self.packed = segments = pack(segments)
         super().__init__(len(segments), tuple(int(t) for t, _ in segments), tuple(r.data_ptr() for _, r in segments),
                          tuple(r.shape[0] for _, r in segments), K, ptr(bias))
         self.n_total = sum(r.shape[0] for _, r in segments)

@@ -3,8 +3,10 @@
 //
 // Batch invariance by construction: every output element is computed by the same sequence of operations whatever
 // the number of rows in the call, the rows beside it, the thread count or which thread computes it. Rows are
-// quantized one at a time; a weight row is multiplied with 1 to 8 activation rows at a time by one template whose
-// per-row arithmetic does not depend on how many rows share the weight loads; threads take whole output columns.
+// quantized one at a time; a weight row (or a group of 8 packed ones, X8) is multiplied with 1 to 8 activation rows
+// at a time by one template whose per-row arithmetic does not depend on how many rows share the weight loads;
+// threads take whole output columns. Integer block sums are exact, so the AVX2, AVX-512 VNNI and scalar forms of a
+// packed product give the same bits.
 // No -ffast-math and no FMA contraction (setup.py), so the compiler cannot reassociate any of it.
 //
 // Numerics follow ggml's CPU backend (activations quantized per block as quantize_row_q8_0/q8_1/q8_K do; integer
@@ -215,11 +217,26 @@ Pool& pool() {
 
 int g_threads = 1;
 bool g_use_avx2 = false;
+bool g_use_vnni = false;  // AVX-512 VNNI for the X8 products (implies g_use_avx2)
 
 // ------------------------------------------------------------------------------------------------ formats
 
 // GGML type ids (ggml.h)
 enum : int { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+// Rows repacked 8 at a time by sc_pack_x8 (ggml's CPU backend repacks Q4_0/Q4_K the same way for AVX2): type id
+// X8 + the GGML id of the rows' type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K). A group of 8 rows holds, per block of
+// the type, its 8 blocks' bytes regrouped (as many bytes as the rows), field by field (x8_fields): the 8 fp16
+// scales d side by side, then the 8 minimums (Q4_1/Q5_1: m, Q4_K: dmin), then per row 32-bit words in turn
+// (Q5_0/Q5_1: the 32 high bits qh; Q4_K: the 12 scale bytes as three words), word i of row c at 4 (8 i + c), then
+// the codes in 32-byte runs, each holding 4 consecutive code bytes of every row (row c at 4 c): Q8_0 bytes 4 g ..
+// 4 g + 3 in run g = 0..7; Q4/Q5 qs bytes 4 g .. 4 g + 3 in run g = 0..3 (low nibbles values 4 g + i, high ones
+// 16 + 4 g + i); Q4_K qs bytes 32 j + 4 g .. in run 8 j + g (low nibbles: sub-block 2 j, high: 2 j + 1). One
+// 32-byte load then holds the same 4 (or 8) values of all 8 rows, one row per 32-bit lane, so the products land in
+// one accumulator lane per row: no horizontal sums, and a block's scales are applied to 8 rows per instruction.
+// (Q6_K stays as it is: regrouped the same way it measured slower for one row on Zen 4.)
+constexpr int X8 = 256;
+inline int base_type(int wtype) { return wtype >= X8 ? wtype - X8 : wtype; }
 
 // Activation formats. A row of K values quantized as:
 //   Q8_0: per 32 values an fp16-rounded scale d and int8 codes (ggml's block_q8_0); here also the codes' sum
@@ -231,7 +248,7 @@ enum : int { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
 enum Act { ACT_Q8_0 = 0, ACT_Q8_1 = 1, ACT_Q8_K = 2, ACT_F32 = 3 };
 
 int act_of(int wtype) {
-    switch (wtype) {
+    switch (base_type(wtype)) {
         case Q4_0: case Q5_0: case Q8_0: return ACT_Q8_0;
         case Q4_1: case Q5_1: return ACT_Q8_1;
         case Q4_K: case Q5_K: case Q6_K: return ACT_Q8_K;
@@ -241,7 +258,7 @@ int act_of(int wtype) {
 }
 
 int block_size(int wtype) {
-    switch (wtype) {
+    switch (base_type(wtype)) {
         case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: return 32;
         case Q4_K: case Q5_K: case Q6_K: return 256;
         default: return 1;
@@ -249,7 +266,7 @@ int block_size(int wtype) {
 }
 
 int64_t row_bytes(int wtype, int64_t K) {
-    switch (wtype) {
+    switch (base_type(wtype)) {
         case F32: return K * 4;
         case F16: return K * 2;
         case Q4_0: return K / 32 * 18;
@@ -326,47 +343,31 @@ void quantize_row(int kind, const float* x, int64_t K, int8_t* q, float* d, int1
 // ------------------------------------------------------------------------------------------------ scalar dots
 // out[r] = dot(weight row, activation row r) for R rows; exact integer sums per block, float per block.
 
+// the 6-bit scales and mins of a Q4_K/Q5_K block's 8 sub-blocks from its 12 scale bytes (ggml's get_scale_min_k4)
+void q4k_scales(const uint8_t* s, int* sc, int* mn) {
+    for (int j = 0; j < 8; j++) {
+        if (j < 4) {
+            sc[j] = s[j] & 63; mn[j] = s[j + 4] & 63;
+        } else {
+            sc[j] = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+            mn[j] = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+        }
+    }
+}
+
 void dot_scalar(int R, int wtype, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
     const int64_t K = a.K;
     for (int r = 0; r < R; r++) {
         const int64_t m = rows[r];
         const int8_t* q = a.q + m * K;
         float acc = 0, accm = 0;
-        if (wtype == Q4_0 || wtype == Q4_1 || wtype == Q5_0 || wtype == Q5_1 || wtype == Q8_0) {
-            const float* d = a.d + m * a.nd();
-            const int16_t* isum = a.isum + m * a.ns();
-            const int bs = (int)row_bytes(wtype, 32);
-            for (int64_t b = 0; b < K / 32; b++) {
-                const uint8_t* blk = w + b * bs;
-                const int8_t* qb = q + b * 32;
-                int sumi = 0, offset = 0;
-                float dw = h2f(blk), mw = 0;
-                if (wtype == Q8_0) {
-                    for (int j = 0; j < 32; j++) sumi += (int)(int8_t)blk[2 + j] * qb[j];
-                } else {
-                    const bool has_min = wtype == Q4_1 || wtype == Q5_1;
-                    const bool five = wtype == Q5_0 || wtype == Q5_1;
-                    const uint8_t* qs = blk + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
-                    uint32_t qh = 0;
-                    if (five) std::memcpy(&qh, blk + 2 + (has_min ? 2 : 0), 4);
-                    if (has_min) mw = h2f(blk + 2);
-                    for (int j = 0; j < 16; j++) {
-                        const int lo = (qs[j] & 0xF) | (five ? ((qh >> j) & 1) << 4 : 0);
-                        const int hi = (qs[j] >> 4) | (five ? ((qh >> (j + 16)) & 1) << 4 : 0);
-                        sumi += lo * qb[j] + hi * qb[j + 16];
-                    }
-                    if (!has_min) offset = (five ? 16 : 8) * isum[b];
-                }
-                acc += (dw * d[b]) * (float)(sumi - offset);
-                if (wtype == Q4_1 || wtype == Q5_1) accm += mw * a.s[m * a.nd() + b];
-            }
-        } else if (wtype == F32 || wtype == F16) {
+        if (wtype == F32 || wtype == F16) {
             const float* x = a.x + m * K;
             for (int64_t k = 0; k < K; k++) {
                 const float wv = wtype == F32 ? ((const float*)w)[k] : h2f(w + 2 * k);
                 acc += wv * x[k];
             }
-        } else {  // Q4_K, Q5_K, Q6_K against Q8_K
+        } else {  // Q5_K, Q6_K against Q8_K (Q4_K and the 32-value block types are packed: dot_x8_rows)
             const float* d = a.d + m * a.nd();
             const int16_t* isum = a.isum + m * a.ns();
             const int bs = (int)row_bytes(wtype, 256);
@@ -403,14 +404,10 @@ void dot_scalar(int R, int wtype, const uint8_t* w, const ActRows& a, const int6
                 const bool five = wtype == Q5_K;
                 const uint8_t* qh = blk + 16;
                 const uint8_t* qs = blk + 16 + (five ? 32 : 0);
+                int sc_all[8], mn_all[8];
+                q4k_scales(scales, sc_all, mn_all);
                 for (int j = 0; j < 8; j++) {
-                    int sc, mn;
-                    if (j < 4) {
-                        sc = scales[j] & 63; mn = scales[j + 4] & 63;
-                    } else {
-                        sc = (scales[j + 4] & 0xF) | ((scales[j - 4] >> 6) << 4);
-                        mn = (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4);
-                    }
+                    const int sc = sc_all[j], mn = mn_all[j];
                     const uint8_t* qq = qs + (j / 2) * 32;
                     int s = 0;
                     for (int l = 0; l < 32; l++) {
@@ -426,6 +423,89 @@ void dot_scalar(int R, int wtype, const uint8_t* w, const ActRows& a, const int6
             }
         }
         out[r] = acc + accm;
+    }
+}
+
+// Layout of a 32-value block type's X8 group block (see X8): offsets of the minimums, high bits and codes
+template <int W>
+struct X32 {
+    static constexpr bool has_min = W == Q4_1 || W == Q5_1, five = W == Q5_0 || W == Q5_1;
+    static constexpr int bytes = 8 * (W == Q4_0 ? 18 : W == Q4_1 ? 20 : W == Q5_0 ? 22 : W == Q5_1 ? 24 : 34);
+    static constexpr int qh = has_min ? 32 : 16, codes = qh + (five ? 32 : 0);
+    static constexpr int offset = W == Q4_0 ? 8 : W == Q5_0 ? 16 : 0;  // value = code - offset (Q8_0: signed codes)
+};
+
+// X8 groups of a 32-value block type against Q8_0/Q8_1: out[r * 8 + c] = dot(row c, activation row r). The
+// arithmetic of dot32_x8_avx2 lane by lane (the block's exact integer sum, then one fused multiply-add), so the
+// two give the same bits.
+template <int W>
+void dot32_x8_scalar(int R, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
+    using L = X32<W>;
+    const int64_t K = a.K, nb = K / 32;
+    for (int r = 0; r < R; r++) {
+        const int8_t* q = a.q + rows[r] * K;
+        const float* d = a.d + rows[r] * nb;
+        const int16_t* isum = a.isum + rows[r] * nb;
+        const float* sa = a.s + rows[r] * nb;
+        for (int c = 0; c < 8; c++) {
+            float acc = 0, accm = 0;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t* blk = w + b * L::bytes;
+                uint32_t qh = 0;
+                if (L::five) std::memcpy(&qh, blk + L::qh + 4 * c, 4);
+                int sumi = 0;
+                for (int i = 0; i < 32; i++) {
+                    int v;
+                    if (W == Q8_0) {
+                        v = (int8_t)blk[L::codes + 32 * (i / 4) + 4 * c + i % 4];
+                    } else {
+                        const int byte = blk[L::codes + 32 * (i % 16 / 4) + 4 * c + i % 4];
+                        v = (i < 16 ? byte & 0xF : byte >> 4) | (int)((qh >> i) & 1) << 4;
+                    }
+                    sumi += v * q[b * 32 + i];
+                }
+                sumi -= L::offset * isum[b];
+                acc = std::fma(h2f(blk + 2 * c) * d[b], (float)sumi, acc);
+                if (L::has_min) accm = std::fma(h2f(blk + 16 + 2 * c), sa[b], accm);
+            }
+            out[r * 8 + c] = L::has_min ? acc + accm : acc;
+        }
+    }
+}
+
+// Q4_K X8 groups against Q8_K: out[r * 8 + c] = dot(row c of the group, activation row r). The arithmetic of
+// dot_q4k_x8_avx2 lane by lane (exact integer sums per block, then one fused multiply-add per block), so the two
+// give the same bits.
+void dot_q4k_x8_scalar(int R, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
+    const int64_t K = a.K, nb = K / 256;
+    for (int r = 0; r < R; r++) {
+        const int8_t* q = a.q + rows[r] * K;
+        const float* d = a.d + rows[r] * nb;
+        const int16_t* isum = a.isum + rows[r] * nb * 24;
+        for (int c = 0; c < 8; c++) {
+            float acc = 0, accm = 0;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t* blk = w + b * 8 * 144;
+                uint8_t scale_bytes[12];
+                for (int i = 0; i < 3; i++) std::memcpy(scale_bytes + 4 * i, blk + 32 + 4 * (8 * i + c), 4);
+                int sc[8], mn[8];
+                q4k_scales(scale_bytes, sc, mn);
+                int sumi = 0, summ = 0;
+                for (int j = 0; j < 4; j++) {
+                    for (int g = 0; g < 8; g++) {
+                        for (int i = 0; i < 4; i++) {
+                            const int v = blk[128 + 256 * j + 32 * g + 4 * c + i];
+                            const int8_t* y = q + b * 256 + 64 * j + 4 * g + i;
+                            sumi += sc[2 * j] * (v & 0xF) * y[0] + sc[2 * j + 1] * (v >> 4) * y[32];
+                        }
+                    }
+                }
+                for (int s = 0; s < 8; s++) summ += mn[s] * isum[b * 24 + 16 + s];
+                acc = std::fma(h2f(blk + 2 * c) * d[b], (float)sumi, acc);
+                accm = std::fma(h2f(blk + 16 + 2 * c) * d[b], (float)summ, accm);
+            }
+            out[r * 8 + c] = acc - accm;
+        }
     }
 }
 
@@ -447,85 +527,13 @@ SC_AVX2 inline float h2f_avx2(const uint8_t* p) {
     return _cvtsh_ss(h);
 }
 
-// 32 bytes: values 0..15 from the low nibbles of p[0..15], 16..31 from the high nibbles
-SC_AVX2 inline __m256i nibbles32(const uint8_t* p) {
-    const __m128i t = _mm_loadu_si128((const __m128i*)p);
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0xF));
-}
-
-// bit i of the 32-bit word -> 0xFF in byte i, else 0
-SC_AVX2 inline __m256i bits32_mask(const uint8_t* p) {
-    uint32_t x;
-    std::memcpy(&x, p, 4);
-    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x), shuf);
-    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
-    return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
-}
-
-// unsigned 8-bit weights (< 128) times signed 8-bit codes, 32 values -> 8 int32 lanes
-SC_AVX2 inline __m256i udot32(__m256i u, __m256i s) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
-
-// signed 8-bit weights times signed 8-bit codes, 32 values -> 8 int32 lanes (|w| <= 127 by the formats)
-SC_AVX2 inline __m256i sdot32(__m256i w_abs, __m256i w, __m256i y) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(y, w)), _mm256_set1_epi16(1));
-}
-
-// Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 (32-value blocks) against Q8_0/Q8_1
-template <int R, int W>
-SC_AVX2 void dot32_avx2(const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
-    const int64_t K = a.K, nb = K / 32;
-    constexpr bool has_min = W == Q4_1 || W == Q5_1, five = W == Q5_0 || W == Q5_1;
-    constexpr int bs = W == Q4_0 ? 18 : W == Q4_1 ? 20 : W == Q5_0 ? 22 : W == Q5_1 ? 24 : 34;
-    __m256 acc[R];
-    float accm[R];
-    const int8_t* q[R];
-    const float* d[R];
-    const float* sa[R];
-    for (int r = 0; r < R; r++) {
-        acc[r] = _mm256_setzero_ps();
-        accm[r] = 0;
-        q[r] = a.q + rows[r] * K;
-        d[r] = a.d + rows[r] * nb;
-        sa[r] = a.s + rows[r] * nb;
-    }
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t* blk = w + b * bs;
-        const float dw = h2f_avx2(blk);
-        __m256i u;  // the weight codes as bytes
-        if constexpr (W == Q8_0) {
-            u = _mm256_loadu_si256((const __m256i*)(blk + 2));
-        } else {
-            const uint8_t* qs = blk + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
-            u = nibbles32(qs);
-            if constexpr (five) {
-                const __m256i bit = bits32_mask(blk + 2 + (has_min ? 2 : 0));
-                if constexpr (has_min) u = _mm256_or_si256(u, _mm256_and_si256(bit, _mm256_set1_epi8(0x10)));
-                else u = _mm256_or_si256(u, _mm256_andnot_si256(bit, _mm256_set1_epi8((char)0xF0)));  // q | 16 * bit - 16
-            } else if constexpr (!has_min) {
-                u = _mm256_sub_epi8(u, _mm256_set1_epi8(8));  // Q4_0: signed codes q - 8
-            }
-        }
-        const __m256i u_abs = has_min ? u : _mm256_sign_epi8(u, u);
-        for (int r = 0; r < R; r++) {
-            const __m256i y = _mm256_loadu_si256((const __m256i*)(q[r] + b * 32));
-            const __m256i p = has_min ? udot32(u, y) : sdot32(u_abs, u, y);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * d[r][b]), _mm256_cvtepi32_ps(p), acc[r]);
-            if constexpr (has_min) accm[r] += h2f_avx2(blk + 2) * sa[r][b];
-        }
-    }
-    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) + accm[r];
-}
-
 SC_AVX2 inline float hsum4(__m128 s) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
 
-// Q4_K/Q5_K against Q8_K
+// Q5_K against Q8_K (and Q4_K, which is packed instead: dot_x8_rows)
 template <int R, int W>
 SC_AVX2 void dot_q45k_avx2(const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
     const int64_t K = a.K, nb = K / 256;
@@ -729,12 +737,6 @@ SC_AVX2 void attend_avx2(const float* q, const float* keys, const float* vals, i
 template <int R>
 SC_AVX2 void dot_avx2(int wtype, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
     switch (wtype) {
-        case Q4_0: return dot32_avx2<R, Q4_0>(w, a, rows, out);
-        case Q4_1: return dot32_avx2<R, Q4_1>(w, a, rows, out);
-        case Q5_0: return dot32_avx2<R, Q5_0>(w, a, rows, out);
-        case Q5_1: return dot32_avx2<R, Q5_1>(w, a, rows, out);
-        case Q8_0: return dot32_avx2<R, Q8_0>(w, a, rows, out);
-        case Q4_K: return dot_q45k_avx2<R, Q4_K>(w, a, rows, out);
         case Q5_K: return dot_q45k_avx2<R, Q5_K>(w, a, rows, out);
         case Q6_K: return dot_q6k_avx2<R>(w, a, rows, out);
         case F32: return dot_float_avx2<R, F32>(w, a, rows, out);
@@ -839,6 +841,60 @@ void dot_rows(int R, int wtype, const uint8_t* w, const ActRows& a, const int64_
     dot_scalar(R, wtype, w, a, rows, out);
 }
 
+// activation rows per pass over a group of 8 weight rows: as many as the registers hold (AVX-512 has 32 vector
+// registers, AVX2 16); the rows' arithmetic does not depend on it
+int x8_max_rows() { return g_use_vnni ? 8 : 4; }
+
+#if SC_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace x8_avx2 {
+constexpr bool VNNI = false;
+#include "x8_kernels.h"
+}  // namespace x8_avx2
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+namespace x8_vnni {
+constexpr bool VNNI = true;
+#include "x8_kernels.h"
+}  // namespace x8_vnni
+#pragma GCC pop_options
+
+template <int R>
+void dot_x8_simd(int wtype, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
+    if (g_use_vnni) return x8_vnni::dot_x8<R>(wtype, w, a, rows, out);
+    if constexpr (R <= 4) x8_avx2::dot_x8<R>(wtype, w, a, rows, out);  // (x8_max_rows: never more rows)
+}
+#endif
+
+
+// R <= x8_max_rows() activation rows against one group of an X8 segment: out[r * 8 + c]
+void dot_x8_rows(int R, int wtype, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
+#if SC_X86
+    if (g_use_avx2) {
+        switch (R) {
+            case 1: return dot_x8_simd<1>(wtype, w, a, rows, out);
+            case 2: return dot_x8_simd<2>(wtype, w, a, rows, out);
+            case 3: return dot_x8_simd<3>(wtype, w, a, rows, out);
+            case 4: return dot_x8_simd<4>(wtype, w, a, rows, out);
+            case 5: return dot_x8_simd<5>(wtype, w, a, rows, out);
+            case 6: return dot_x8_simd<6>(wtype, w, a, rows, out);
+            case 7: return dot_x8_simd<7>(wtype, w, a, rows, out);
+            default: return dot_x8_simd<8>(wtype, w, a, rows, out);
+        }
+    }
+#endif
+    switch (wtype - X8) {
+        case Q4_0: return dot32_x8_scalar<Q4_0>(R, w, a, rows, out);
+        case Q4_1: return dot32_x8_scalar<Q4_1>(R, w, a, rows, out);
+        case Q5_0: return dot32_x8_scalar<Q5_0>(R, w, a, rows, out);
+        case Q5_1: return dot32_x8_scalar<Q5_1>(R, w, a, rows, out);
+        case Q8_0: return dot32_x8_scalar<Q8_0>(R, w, a, rows, out);
+        case Q4_K: return dot_q4k_x8_scalar(R, w, a, rows, out);
+    }
+}
+
 // per-thread scratch for quantized activations, reused between calls
 struct ActBuffers {
     std::vector<int8_t> q;
@@ -893,20 +949,33 @@ int sc_has_avx2() {
 #endif
 }
 
-// use_avx2: 1 = the AVX2 kernels where the CPU has them, 0 = the portable scalar ones (tests compare the two)
-void sc_init(int n_threads, int use_avx2, int64_t spin_ns) {
+int sc_has_vnni() {
+#if SC_X86
+    __builtin_cpu_init();
+    return sc_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#else
+    return 0;
+#endif
+}
+
+// isa: 0 = the portable scalar kernels, 1 = AVX2, 2 = AVX2 and AVX-512 VNNI (each where the CPU has it; tests
+// compare them)
+void sc_init(int n_threads, int isa, int64_t spin_ns) {
     g_threads = std::max(1, n_threads);
-    g_use_avx2 = use_avx2 && sc_has_avx2();
+    g_use_avx2 = isa >= 1 && sc_has_avx2();
+    g_use_vnni = isa >= 2 && sc_has_vnni();
     pool().set_spin_ns(spin_ns);
 }
 
 // One weight matrix: n_seg segments stacked along the outputs (a fused q|k|v or gate|up), segment i holding n_out[i]
 // rows of row_bytes(wtypes[i], K) bytes each; bias [sum n_out] or null. Filled by kernels.LinearDesc (ctypes).
+constexpr int MAX_SEG = 8;
 struct ScLinear {
     int32_t n_seg;
-    int32_t wtypes[8];
-    const void* weights[8];
-    int64_t n_out[8];
+    int32_t wtypes[MAX_SEG];
+    const void* weights[MAX_SEG];
+    int64_t n_out[MAX_SEG];
     int64_t K;
     const float* bias;
 };
@@ -919,11 +988,11 @@ int sc_linear(const ScLinear* w, const float* x, int64_t M, float* y, int64_t ld
     const int64_t* n_out = w->n_out;
     const int64_t K = w->K;
     const float* bias = w->bias;
-    if (n_seg < 1 || n_seg > 8 || M < 1) return 1;
+    if (n_seg < 1 || n_seg > MAX_SEG || M < 1) return 1;
     static thread_local ActBuffers bufs[4];
     ActRows acts[4];
     bool have[4] = {false, false, false, false};
-    int64_t col0[9], seg_bytes[8];  // first output column and bytes per weight row of each segment
+    int64_t col0[MAX_SEG + 1], seg_bytes[MAX_SEG];  // first output column and bytes per weight row of each segment
     col0[0] = 0;
     for (int i = 0; i < n_seg; i++) {
         const int kind = act_of(wtypes[i]);
@@ -934,28 +1003,41 @@ int sc_linear(const ScLinear* w, const float* x, int64_t M, float* y, int64_t ld
     }
     const int64_t N = col0[n_seg];
     // chunks of weight rows: enough of them to balance the threads, each long enough to amortize the hand-out
-    int64_t chunk = std::max<int64_t>(4, N / (8 * (int64_t)g_threads));
-    chunk = (chunk + 3) / 4 * 4;
+    // (multiples of 8, so that groups of X8 rows fall in one chunk where their segment starts at one)
+    int64_t chunk = std::max<int64_t>(8, N / (8 * (int64_t)g_threads));
+    chunk = (chunk + 7) / 8 * 8;
     const int64_t n_chunks = (N + chunk - 1) / chunk;
     const std::function<void(int64_t)> fn = [&](int64_t c) {
         const int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
         int64_t rows[MAX_R];
-        float out[MAX_R];
+        float out[MAX_R * 8];
         for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
             const int64_t m1 = std::min(M, m0 + ROW_TILE);
             int seg = 0;
-            for (int64_t n = n0; n < n1; n++) {
+            for (int64_t n = n0; n < n1;) {
                 while (n >= col0[seg + 1]) seg++;
                 const int wt = wtypes[seg];
-                const uint8_t* wrow = (const uint8_t*)weights[seg] + (n - col0[seg]) * seg_bytes[seg];
                 const ActRows& a = acts[act_of(wt)];
-                const float b = bias ? bias[n] : 0.0f;
-                for (int64_t m = m0; m < m1; m += MAX_R) {
-                    const int R = (int)std::min<int64_t>(MAX_R, m1 - m);
+                // one weight row, or the group of 8 packed rows holding column n (its columns before n or from n1 on
+                // are another chunk's to write, those past the segment's end padding)
+                const bool x8 = wt >= X8;
+                const int64_t first = x8 ? col0[seg] + (n - col0[seg]) / 8 * 8 : n;
+                const int64_t end = x8 ? std::min({n1, first + 8, col0[seg + 1]}) : n + 1;
+                const int width = x8 ? 8 : 1, max_r = x8 ? x8_max_rows() : MAX_R;
+                const uint8_t* w_at = (const uint8_t*)weights[seg] + (first - col0[seg]) * seg_bytes[seg];
+                for (int64_t m = m0; m < m1; m += max_r) {
+                    const int R = (int)std::min<int64_t>(max_r, m1 - m);
                     for (int r = 0; r < R; r++) rows[r] = m + r;
-                    dot_rows(R, wt, wrow, a, rows, out);
-                    for (int r = 0; r < R; r++) y[(m + r) * ldy + n] = bias ? out[r] + b : out[r];
+                    if (x8) dot_x8_rows(R, wt, w_at, a, rows, out);
+                    else dot_rows(R, wt, w_at, a, rows, out);
+                    for (int r = 0; r < R; r++) {
+                        for (int64_t col = n; col < end; col++) {
+                            const float v = out[r * width + col - first];
+                            y[(m + r) * ldy + col] = bias ? v + bias[col] : v;
+                        }
+                    }
                 }
+                n = end;
             }
         }
     };
@@ -1153,6 +1235,47 @@ int sc_block(const ScBlock* b, const float* x, int64_t R, const float* rope_cos,
     sc_glu(big, 2 * F, R, F, b->gelu, mid);
     if ((rc = sc_linear(&b->down, mid, R, h, D))) return rc;
     add_branch(b->post_ffn_norm, out);
+    return 0;
+}
+
+// The fields of a block in the order of its X8 layout: (offset in the row's block, bytes, unit). A group block
+// holds each field of the 8 rows in turn, unit u of row c at the field's start + (8 u + c) x unit.
+struct Field { int offset, bytes, unit; };
+const std::vector<Field>* x8_fields(int wtype) {
+    static const std::vector<Field> q4_0{{0, 2, 2}, {2, 16, 4}}, q4_1{{0, 2, 2}, {2, 2, 2}, {4, 16, 4}},
+        q5_0{{0, 2, 2}, {2, 4, 4}, {6, 16, 4}}, q5_1{{0, 2, 2}, {2, 2, 2}, {4, 4, 4}, {8, 16, 4}},
+        q8_0{{0, 2, 2}, {2, 32, 4}}, q4_k{{0, 2, 2}, {2, 2, 2}, {4, 12, 4}, {16, 128, 4}};
+    switch (wtype) {
+        case Q4_0: return &q4_0;
+        case Q4_1: return &q4_1;
+        case Q5_0: return &q5_0;
+        case Q5_1: return &q5_1;
+        case Q8_0: return &q8_0;
+        case Q4_K: return &q4_k;
+        default: return nullptr;
+    }
+}
+
+// rows src [N, row_bytes] of a type listed at X8 (N a multiple of 8) -> dst in its X8 layout (as many bytes; dst
+// may be src: each group is regrouped through a copy). 0 = done, 1 = a type without an X8 layout.
+int sc_pack_x8(int wtype, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst) {
+    const std::vector<Field>* fields = x8_fields(wtype);
+    if (!fields) return 1;
+    const int64_t bs = row_bytes(wtype, block_size(wtype)), nb = K / block_size(wtype), rb = nb * bs;
+    const std::function<void(int64_t)> fn = [&](int64_t group) {
+        const std::vector<uint8_t> rows(src + 8 * group * rb, src + 8 * (group + 1) * rb);
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t* o = dst + (group * nb + b) * 8 * bs;
+            for (const Field& f : *fields) {
+                for (int c = 0; c < 8; c++) {
+                    const uint8_t* from = rows.data() + c * rb + b * bs + f.offset;
+                    for (int u = 0; u < f.bytes / f.unit; u++) std::memcpy(o + (8 * u + c) * f.unit, from + u * f.unit, f.unit);
+                }
+                o += 8 * f.bytes;
+            }
+        }
+    };
+    pool().run(g_threads, N / 8, fn);
     return 0;
 }
 

@@ -1,0 +1,212 @@
+// The products with rows packed 8 at a time (kernels.cpp X8), for one instruction set: included by kernels.cpp
+// once per set, inside a namespace and a `#pragma GCC target` region, with VNNI true where the AVX-512 VNNI
+// instruction vpdpbusd (bytes times bytes summed in 32-bit lanes) replaces AVX2's vpmaddubsw + vpmaddwd pairs.
+// Every sum is an exact integer sum, so both sets give the same bits (and the same as the scalar twins).
+
+// acc + in each 32-bit lane the sum of the 4 products of unsigned bytes u and signed bytes y (AVX2: the pairs'
+// int16 sums cannot saturate, 2 x 255 x 127 > 2^15 never happens for the codes here, at most 2 x 127 x 127)
+template <bool V = VNNI>
+inline __m256i dot4(__m256i acc, __m256i u, __m256i y) {
+    if constexpr (V) return _mm256_dpbusd_epi32(acc, u, y);
+    else return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, y), _mm256_set1_epi16(1)));
+}
+
+// bits s .. s + 3 of each 32-bit lane of qh as bit 4 of the lane's bytes 0..3 (the fifth bit of Q5 codes)
+inline __m256i fifth_bits(__m256i qh, int s) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
+                                            0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+    const __m256i bit = _mm256_set1_epi32(0x08040201);
+    const __m256i t = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_srli_epi32(qh, s), spread), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(t, bit), _mm256_set1_epi8(0x10));
+}
+
+// X8 groups of a 32-value block type against Q8_0/Q8_1 (R activation rows), lane c = row c. Codes
+// multiply as unsigned bytes (Q8_0: magnitudes, the signs moved to the activations) and the block's offset comes
+// off the exact integer sum as offset x (sum of the activation codes).
+template <int R, int W>
+void dot32_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
+    using L = X32<W>;
+    const int64_t K = a.K, nb = K / 32;
+    __m256 acc[R], accm[R];
+    const int8_t* q[R];
+    const float* d[R];
+    const int16_t* isum[R];
+    const float* sa[R];
+    for (int r = 0; r < R; r++) {
+        acc[r] = accm[r] = _mm256_setzero_ps();
+        q[r] = a.q + rows[r] * K;
+        d[r] = a.d + rows[r] * nb;
+        isum[r] = a.isum + rows[r] * nb;
+        sa[r] = a.s + rows[r] * nb;
+    }
+    const __m256i m4 = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = w + b * L::bytes;
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
+        __m256i sumi[R];
+        for (int r = 0; r < R; r++) sumi[r] = _mm256_setzero_si256();
+        if constexpr (W == Q8_0) {
+            for (int g = 0; g < 8; g++) {
+                const __m256i wv = _mm256_loadu_si256((const __m256i*)(blk + L::codes + 32 * g));
+                const __m256i w_abs = _mm256_sign_epi8(wv, wv);
+                for (int r = 0; r < R; r++) {
+                    int32_t y;
+                    std::memcpy(&y, q[r] + b * 32 + 4 * g, 4);
+                    sumi[r] = dot4(sumi[r], w_abs, _mm256_sign_epi8(_mm256_set1_epi32(y), wv));
+                }
+            }
+        } else {
+            __m256i qh;
+            if constexpr (L::five) qh = _mm256_loadu_si256((const __m256i*)(blk + L::qh));
+            __m256i p[R];  // AVX2: int16 sums of up to 4 products of codes < 32 or 8 of codes < 16: below 2^15
+            for (int r = 0; r < R; r++) p[r] = _mm256_setzero_si256();
+            for (int g = 0; g < 4; g++) {
+                const __m256i bytes = _mm256_loadu_si256((const __m256i*)(blk + L::codes + 32 * g));
+                __m256i lo = _mm256_and_si256(bytes, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4);
+                if constexpr (L::five) {
+                    lo = _mm256_or_si256(lo, fifth_bits(qh, 4 * g));
+                    hi = _mm256_or_si256(hi, fifth_bits(qh, 16 + 4 * g));
+                }
+                for (int r = 0; r < R; r++) {
+                    int32_t y_lo, y_hi;
+                    std::memcpy(&y_lo, q[r] + b * 32 + 4 * g, 4);
+                    std::memcpy(&y_hi, q[r] + b * 32 + 16 + 4 * g, 4);
+                    if constexpr (VNNI) {
+                        sumi[r] = dot4(dot4(sumi[r], lo, _mm256_set1_epi32(y_lo)), hi, _mm256_set1_epi32(y_hi));
+                        continue;
+                    }
+                    p[r] = _mm256_add_epi16(p[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(y_lo)),
+                                                                   _mm256_maddubs_epi16(hi, _mm256_set1_epi32(y_hi))));
+                    if (L::five && g % 2 == 1) {
+                        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p[r], ones));
+                        p[r] = _mm256_setzero_si256();
+                    }
+                }
+            }
+            if constexpr (!L::five && !VNNI) {
+                for (int r = 0; r < R; r++) sumi[r] = _mm256_madd_epi16(p[r], ones);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            if constexpr (L::offset != 0) {
+                sumi[r] = _mm256_sub_epi32(sumi[r], _mm256_set1_epi32(L::offset * isum[r][b]));
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(d[r][b])), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+            if constexpr (L::has_min) {
+                const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16)));
+                accm[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sa[r][b]), accm[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, L::has_min ? _mm256_add_ps(acc[r], accm[r]) : acc[r]);
+}
+
+// byte s (0..3) of each 32-bit lane of v, as the lane's int16 pair (byte, byte) for vpmaddwd (AVX2) or as the
+// lane's int32 for vpmulld (VNNI)
+inline __m256i lane_byte(__m256i v, int s) {
+    const __m256i pair = _mm256_setr_epi8(0, -128, 0, -128, 4, -128, 4, -128, 8, -128, 8, -128, 12, -128, 12, -128,
+                                          0, -128, 0, -128, 4, -128, 4, -128, 8, -128, 8, -128, 12, -128, 12, -128);
+    const __m256i word = _mm256_setr_epi8(0, -128, -128, -128, 4, -128, -128, -128, 8, -128, -128, -128, 12, -128,
+                                          -128, -128, 0, -128, -128, -128, 4, -128, -128, -128, 8, -128, -128, -128,
+                                          12, -128, -128, -128);
+    return _mm256_shuffle_epi8(v, _mm256_add_epi8(VNNI ? word : pair, _mm256_set1_epi8((char)s)));  // -128 + s: 0
+}
+
+// Q4_K X8 groups against Q8_K (R activation rows): lane c of every vector is row c of the group. Within a
+// sub-block the byte products of a lane add up exactly (AVX2: in int16, 8 x 2 x 15 x 127 < 2^15; VNNI: in int32),
+// then one multiply by the lane's scale per sub-block; the block's integer sum meets the float scales once.
+template <int R>
+void dot_q4k_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
+    const int64_t K = a.K, nb = K / 256;
+    __m256 acc[R], accm[R];
+    const int8_t* q[R];
+    const float* d[R];
+    const int16_t* bsum[R];
+    for (int r = 0; r < R; r++) {
+        acc[r] = accm[r] = _mm256_setzero_ps();
+        q[r] = a.q + rows[r] * K;
+        d[r] = a.d + rows[r] * nb;
+        bsum[r] = a.isum + rows[r] * nb * 24 + 16;  // the per-32 sums of block 0
+    }
+    const __m256i m4 = _mm256_set1_epi8(0xF), m6 = _mm256_set1_epi8(0x3F), m2 = _mm256_set1_epi8(0x03);
+    const __m256i even16 = _mm256_set1_epi32(0x00FF00FF);
+    const __m128i pairs = _mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = w + b * 8 * 144;
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
+        const __m256 dminw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16)));
+        const __m256i v0 = _mm256_loadu_si256((const __m256i*)(blk + 32));
+        const __m256i v1 = _mm256_loadu_si256((const __m256i*)(blk + 64));
+        const __m256i v2 = _mm256_loadu_si256((const __m256i*)(blk + 96));
+        // q4k_scales for 8 rows at once: bytes 0..3 of a lane are its sub-blocks 0..3 (lo) or 4..7 (hi)
+        const __m256i sc_lo = _mm256_and_si256(v0, m6), mn_lo = _mm256_and_si256(v1, m6);
+        const __m256i sc_hi = _mm256_or_si256(_mm256_and_si256(v2, m4),
+                                              _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(v0, 6), m2), 4));
+        const __m256i mn_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(v2, 4), m4),
+                                              _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(v1, 6), m2), 4));
+        // the mins as int16 pairs (m0, m2), (m1, m3), (m4, m6), (m5, m7) per lane
+        const __m256i mn[4] = {_mm256_and_si256(mn_lo, even16), _mm256_srli_epi16(mn_lo, 8),
+                               _mm256_and_si256(mn_hi, even16), _mm256_srli_epi16(mn_hi, 8)};
+        __m256i sumi[R];
+        for (int r = 0; r < R; r++) sumi[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {  // sub-blocks 2j (low nibbles) and 2j + 1 (high nibbles)
+            __m256i lo[8], hi[8];  // their 32 values of the 8 rows, unpacked once for all activation rows
+            for (int g = 0; g < 8; g++) {
+                const __m256i bytes = _mm256_loadu_si256((const __m256i*)(blk + 128 + 256 * j + 32 * g));
+                lo[g] = _mm256_and_si256(bytes, m4);
+                hi[g] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4);
+            }
+            const __m256i s_lo = lane_byte(j < 2 ? sc_lo : sc_hi, (2 * j) % 4);
+            const __m256i s_hi = lane_byte(j < 2 ? sc_lo : sc_hi, (2 * j + 1) % 4);
+            for (int r = 0; r < R; r++) {
+                const int8_t* y = q[r] + b * 256 + 64 * j;
+                __m256i p_lo = _mm256_setzero_si256(), p_hi = _mm256_setzero_si256();
+                for (int g = 0; g < 8; g++) {
+                    int32_t y_lo, y_hi;
+                    std::memcpy(&y_lo, y + 4 * g, 4);
+                    std::memcpy(&y_hi, y + 32 + 4 * g, 4);
+                    if constexpr (VNNI) {  // the sub-blocks' exact sums in 32-bit lanes
+                        p_lo = dot4(p_lo, lo[g], _mm256_set1_epi32(y_lo));
+                        p_hi = dot4(p_hi, hi[g], _mm256_set1_epi32(y_hi));
+                    } else {
+                        p_lo = _mm256_add_epi16(p_lo, _mm256_maddubs_epi16(lo[g], _mm256_set1_epi32(y_lo)));
+                        p_hi = _mm256_add_epi16(p_hi, _mm256_maddubs_epi16(hi[g], _mm256_set1_epi32(y_hi)));
+                    }
+                }
+                if constexpr (VNNI) {
+                    p_lo = _mm256_mullo_epi32(p_lo, s_lo);
+                    p_hi = _mm256_mullo_epi32(p_hi, s_hi);
+                } else {
+                    p_lo = _mm256_madd_epi16(p_lo, s_lo);
+                    p_hi = _mm256_madd_epi16(p_hi, s_hi);
+                }
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p_lo, p_hi));
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            // the activation's per-32 sums as int16 pairs (b0, b2), (b1, b3), (b4, b6), (b5, b7)
+            const __m128i bs = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i*)(bsum[r] + b * 24)), pairs);
+            const __m256i summ = _mm256_add_epi32(
+                _mm256_add_epi32(_mm256_madd_epi16(mn[0], _mm256_set1_epi32(_mm_extract_epi32(bs, 0))),
+                                 _mm256_madd_epi16(mn[1], _mm256_set1_epi32(_mm_extract_epi32(bs, 1)))),
+                _mm256_add_epi32(_mm256_madd_epi16(mn[2], _mm256_set1_epi32(_mm_extract_epi32(bs, 2))),
+                                 _mm256_madd_epi16(mn[3], _mm256_set1_epi32(_mm_extract_epi32(bs, 3)))));
+            const __m256 da = _mm256_set1_ps(d[r][b]);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, da), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+            accm[r] = _mm256_fmadd_ps(_mm256_mul_ps(dminw, da), _mm256_cvtepi32_ps(summ), accm[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, _mm256_sub_ps(acc[r], accm[r]));
+}
+
+template <int R>
+void dot_x8(int wtype, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
+    switch (wtype - X8) {
+        case Q4_0: return dot32_x8<R, Q4_0>(w, a, rows, out);
+        case Q4_1: return dot32_x8<R, Q4_1>(w, a, rows, out);
+        case Q5_0: return dot32_x8<R, Q5_0>(w, a, rows, out);
+        case Q5_1: return dot32_x8<R, Q5_1>(w, a, rows, out);
+        case Q8_0: return dot32_x8<R, Q8_0>(w, a, rows, out);
+        case Q4_K: return dot_q4k_x8<R>(w, a, rows, out);
+    }
+}
