@@ -130,11 +130,10 @@ def pack(segments: list[tuple[GGMLQuantizationType, torch.Tensor]]) -> list[tupl
             continue
         _sync_threads()
         n, row = raw.shape
-        padded = torch.zeros((n + 7) // 8 * 8, row, dtype=torch.uint8)
-        padded[:n] = raw
+        packed = torch.empty((n + 7) // 8 * 8, row, dtype=torch.uint8)
         block, size = GGML_QUANT_SIZES[qtype]
-        _lib.sc_pack_x8(int(qtype), padded.data_ptr(), padded.shape[0], row // size * block, padded.data_ptr())
-        out.append((X8 + int(qtype), padded[:n]))  # n rows; the padding lives on in the view's storage
+        _lib.sc_pack_x8(int(qtype), raw.contiguous().data_ptr(), n, row // size * block, packed.data_ptr())
+        out.append((X8 + int(qtype), packed[:n]))  # n rows; the padding lives on in the view's storage
     return out
 
 

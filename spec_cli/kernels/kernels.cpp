@@ -1256,26 +1256,32 @@ const std::vector<Field>* x8_fields(int wtype) {
     }
 }
 
-// rows src [N, row_bytes] of a type listed at X8 (N a multiple of 8) -> dst in its X8 layout (as many bytes; dst
-// may be src: each group is regrouped through a copy). 0 = done, 1 = a type without an X8 layout.
+// rows src [N, row_bytes] of a type listed at X8 -> dst [ceil(N / 8) * 8, row_bytes] in its X8 layout, the rows
+// past N zeros. 0 = done, 1 = a type without an X8 layout.
 int sc_pack_x8(int wtype, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst) {
     const std::vector<Field>* fields = x8_fields(wtype);
     if (!fields) return 1;
     const int64_t bs = row_bytes(wtype, block_size(wtype)), nb = K / block_size(wtype), rb = nb * bs;
     const std::function<void(int64_t)> fn = [&](int64_t group) {
-        const std::vector<uint8_t> rows(src + 8 * group * rb, src + 8 * (group + 1) * rb);
+        const uint8_t* rows = src + 8 * group * rb;
+        std::vector<uint8_t> last;  // the last group's rows, padded with zero rows
+        if (8 * (group + 1) > N) {
+            last.assign(8 * rb, 0);
+            std::memcpy(last.data(), rows, (N - 8 * group) * rb);
+            rows = last.data();
+        }
         for (int64_t b = 0; b < nb; b++) {
             uint8_t* o = dst + (group * nb + b) * 8 * bs;
             for (const Field& f : *fields) {
                 for (int c = 0; c < 8; c++) {
-                    const uint8_t* from = rows.data() + c * rb + b * bs + f.offset;
+                    const uint8_t* from = rows + c * rb + b * bs + f.offset;
                     for (int u = 0; u < f.bytes / f.unit; u++) std::memcpy(o + (8 * u + c) * f.unit, from + u * f.unit, f.unit);
                 }
                 o += 8 * f.bytes;
             }
         }
     };
-    pool().run(g_threads, N / 8, fn);
+    pool().run(g_threads, (N + 7) / 8, fn);
     return 0;
 }
 
