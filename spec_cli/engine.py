@@ -18,11 +18,10 @@ from spec_cli.generate import Generator
 from spec_cli.loader import LoadedModel, load_model
 from spec_cli.speculative.adaptive import CostModel, Planner
 from spec_cli.speculative.base import SpecParams
-from spec_cli.speculative.chain import MODEL_TYPES, PRIORITY, Chain
-from spec_cli.speculative.mtp import MTPDrafter
+from spec_cli.speculative.chain import Chain
 from spec_cli.mtp import MTPContext, load_mtp_head
-from spec_cli.speculative.draft_model import DraftModelDrafter, check_vocab_compatible
-from spec_cli.speculative.registry import NGRAM_DRAFTERS
+from spec_cli.speculative.draft_model import check_vocab_compatible
+from spec_cli.speculative.registry import DrafterInputs, build_drafters
 from spec_cli.tokenizer import Tokenizer
 
 
@@ -139,21 +138,10 @@ def assemble_engine(opts: EngineOptions, target: LoadedModel, tokenizer: Tokeniz
 
 
 def build_chain(engine: Engine) -> Chain | None:
-    """Fresh drafters (empty n-gram state) for the engine's spec types, in llama.cpp's priority order; with
-    --draft-max auto, a fresh planner for them on the engine's cost model."""
+    """Fresh drafters (empty n-gram state, cleared draft caches) for the engine's spec types, in the registry's
+    priority order; with --draft-max auto, a fresh planner for them on the engine's cost model."""
     spec, n_seq = engine.spec, engine.ctx.n_seq
-    drafters = []
-    for name in PRIORITY:
-        if name not in spec.types:
-            continue
-        if name == "draft-simple":
-            engine.draft_ctx.clear()
-            drafters.append(DraftModelDrafter(engine.draft_ctx, spec, n_seq))
-        elif name == "draft-mtp":
-            engine.mtp_ctx.clear()
-            drafters.append(MTPDrafter(engine.mtp_ctx, engine.ctx, spec, n_seq))
-        elif name not in MODEL_TYPES:
-            drafters.append(NGRAM_DRAFTERS[name](spec, n_seq))
+    drafters = build_drafters(spec.types, DrafterInputs(spec, n_seq, engine.ctx, engine.draft_ctx, engine.mtp_ctx))
     if not drafters:
         return None
     return Chain(drafters, n_seq, Planner(engine.costs, spec.draft_max) if spec.adaptive else None, spec.select)

@@ -37,8 +37,7 @@ from spec_cli.sampling import SamplingParams
 from spec_cli.speculative import mtp as mtp_drafter
 from spec_cli.speculative.base import DraftParams, SpecParams
 from spec_cli.speculative.chain import Chain
-from spec_cli.speculative.mtp import MTPDrafter
-from spec_cli.speculative.registry import NGRAM_DRAFTERS
+from spec_cli.speculative.registry import DrafterInputs, build_drafters
 from spec_cli.tokenizer import Tokenizer
 from tests.tiny_mtp import write_tiny_mtp_gguf
 
@@ -65,11 +64,10 @@ def make_engine(path, spec_types: str = "", n_seq: int = 1, **spec):
     engine = build_engine(EngineOptions(model=str(path), n_ctx=128 * n_seq, n_seq=n_seq, device="cpu",
                                         spec=SpecParams(draft_max=params.draft_max)))
     engine.spec = params
-    drafters = [NGRAM_DRAFTERS[t](params, n_seq) for t in types if t != "draft-mtp"]
+    ctx, mctx = engine.ctx, None
     if "draft-mtp" in types:
-        ctx = engine.ctx
         mctx = MTPContext(load_mtp_head(engine.target), ctx.n_ctx, n_seq, ctx.n_batch, ctx.n_ubatch)
-        drafters.append(MTPDrafter(mctx, ctx, params, n_seq))
+    drafters = build_drafters(types, DrafterInputs(params, n_seq, ctx, mtp=mctx))
     engine.chain = Chain(drafters, n_seq) if drafters else None
     return engine
 
@@ -196,7 +194,7 @@ def test_partial_acceptance_keeps_committed_state_only(mtp_path):
     drafter.process(batch)
     drafter.accept(0, 1, False)  # the target kept id_last and the first draft token
     keep = len(prompt) + 2
-    assert drafter.tokens[0] == prompt + [id_last, p.result[0]]
+    assert drafter.target_cache.tokens[0] == prompt + [id_last, p.result[0]]
     assert drafter.n_done[0] <= keep and drafter.ctx.lengths[0] <= keep
     torch.testing.assert_close(drafter.ctx.feed[0, keep - 1], out.hidden[1])  # pending = hidden of the last kept row
     engine.ctx.seq_rm(0, keep)

@@ -8,6 +8,7 @@ import sys
 import typer
 
 from spec_cli.errors import SpecCliError
+from spec_cli.speculative.registry import load_plugins
 
 app = typer.Typer(
     name="spec-cli",
@@ -41,6 +42,7 @@ def main() -> None:
     """Entry point: one-line errors with exit code 1 (runtime) or 2 (usage); SPEC_CLI_DEBUG=1 shows tracebacks."""
     debug = os.environ.get("SPEC_CLI_DEBUG") == "1"
     try:
+        load_plugins()  # SPEC_CLI_PLUGINS: drafter types of other packages, registered before --spec-type is read
         # without standalone mode click returns the code of a `typer.Exit` (and 130 for ^C) instead of exiting,
         # and a command's own return value (None) otherwise
         code = app(standalone_mode=False)

@@ -10,13 +10,16 @@ Lifecycle per sequence, as in llama.cpp's common/speculative.h:
                             (--draft-max auto); for drafters whose accept bookkeeping depends on the draft length
   catch_up(params)          optional: called just before draft(params) and timed apart from it, for a drafter that
                             brings a lagging cache up to date (the adaptive planner prices drafted tokens by draft())
-Drafters keep no statistics: the chain wraps every call with counters and timers.
+  min_length(p)             optional: the shortest draft worth verifying; a draft the chain cuts shorter is dropped
+`Drafter` declares every hook, the optional ones as no-ops; a drafter type is made known to `--spec-type` by
+`speculative.registry.register_drafter`. Drafters keep no statistics: the chain wraps every call with counters and
+timers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -72,27 +75,41 @@ class DraftParams:
         return self.n_min if self.n_min is not None else params.draft_min
 
 
-class Drafter(Protocol):
-    name: str
+class Drafter:
+    """Base of every drafter: the hooks the chain calls (module docstring), all but `draft` doing nothing here."""
 
-    def begin(self, seq: int, prompt: list[int]) -> None: ...
-
-    def process(self, batch: Batch) -> None: ...
-
-    def draft(self, params: list[DraftParams]) -> None: ...
-
-    def accept(self, seq: int, n_accepted: int, is_other: bool) -> None: ...
-
-
-class HistoryDrafter:
-    """Base of the drafters that draft each sequence on its own from its token history (the n-gram family):
-    nothing to mirror in `process`, one `draft_one` per drafting sequence, truncated to its per-call cap."""
+    name: str  # the --spec-type it is registered under; the chain's statistics and the planner go by it
+    # Drafting costs next to nothing (a lookup in the history). With --spec-select gain every cheap drafter proposes
+    # and the best proposal wins; a drafter that pays a forward per drafted token is asked only where none proposed.
+    cheap = True
 
     def begin(self, seq: int, prompt: list[int]) -> None:
         pass
 
     def process(self, batch: Batch) -> None:
         pass
+
+    def catch_up(self, params: list[DraftParams]) -> None:
+        pass
+
+    def draft(self, params: list[DraftParams]) -> None:
+        """Set `result` (and for sampled drafts `probs`) of every p in params whose `drafting` flag is set."""
+        raise NotImplementedError
+
+    def min_length(self, p: DraftParams) -> int:
+        """The shortest draft of p worth verifying: the chain drops a draft it cuts below this (--draft-max auto)."""
+        return 0
+
+    def shorten(self, seq: int, n: int) -> None:
+        pass
+
+    def accept(self, seq: int, n_accepted: int, is_other: bool) -> None:
+        pass
+
+
+class HistoryDrafter(Drafter):
+    """Base of the drafters that draft each sequence on its own from its token history (the n-gram family):
+    one `draft_one` per drafting sequence, truncated to its per-call cap."""
 
     def draft(self, params: list[DraftParams]) -> None:
         for p in params:
@@ -102,5 +119,28 @@ class HistoryDrafter:
     def draft_one(self, p: DraftParams) -> list[int]:
         raise NotImplementedError
 
-    def accept(self, seq: int, n_accepted: int, is_other: bool) -> None:
-        pass
+
+class TargetCache:
+    """What the target's KV cache holds, token by position per sequence, mirrored from the target batches a model
+    drafter is shown (`process`): the history its own cache follows."""
+
+    def __init__(self, n_seq: int) -> None:
+        self.tokens: list[list[int]] = [[] for _ in range(n_seq)]
+        self.batch_pos0 = [0] * n_seq  # first position of each sequence's rows in the last batch recorded
+
+    def record(self, batch: Batch) -> dict[int, int | None]:
+        """Mirror a target batch. Per sequence in it: the first position of its rows, or None where they start past
+        the mirrored positions (the target's cache was filled without this drafter); that mirror is then emptied."""
+        starts: dict[int, int | None] = {}
+        for seq in dict.fromkeys(batch.seq_ids):
+            rows = batch.rows_of(seq)
+            p0, known = batch.pos[rows[0]], self.tokens[seq]
+            if p0 > len(known):
+                known.clear()
+                starts[seq] = None
+                continue
+            del known[p0:]
+            known.extend(batch.tokens[i] for i in rows)
+            self.batch_pos0[seq] = p0
+            starts[seq] = p0
+        return starts

@@ -2,12 +2,12 @@
 verifies, and the counters/timers wrapped around every drafter call.
 
 Selection (`--spec-select`):
-  priority  llama.cpp's: drafters are asked in the fixed PRIORITY order, the first non-empty draft wins.
-  gain      every n-gram drafter (drafting costs them next to nothing) proposes, and a sequence verifies the proposal
-            with the most expected committed tokens, E(k) = 1 + g_1 + ... + g_k from the proposer's running
-            acceptance per position (adaptive.AcceptanceModel, the planner's own with --draft-max auto); ties go
-            by priority. Model drafters, whose tokens cost a forward each, are asked only where no n-gram drafter
-            proposed, in priority order as before.
+  priority  llama.cpp's: drafters are asked in the registry's fixed priority order, the first non-empty draft wins.
+  gain      every cheap drafter (`Drafter.cheap`: the n-gram family, drafting costs them next to nothing) proposes,
+            and a sequence verifies the proposal with the most expected committed tokens, E(k) = 1 + g_1 + ... + g_k
+            from the proposer's running acceptance per position (adaptive.AcceptanceModel, the planner's own with
+            --draft-max auto); ties go by priority. Model drafters, whose tokens cost a forward each, are asked only
+            where no cheap drafter proposed, in priority order as before.
 """
 
 from __future__ import annotations
@@ -20,12 +20,9 @@ from spec_cli.batch import Batch
 from spec_cli.errors import UsageError
 from spec_cli.speculative.adaptive import AcceptanceModel, Planner, expected_tokens
 from spec_cli.speculative.base import DraftParams, Drafter
+from spec_cli.speculative.registry import drafter_types, spec_type_names
 from spec_cli.speculative.stats import DrafterStats
 
-# llama.cpp creates implementations in this order whatever the command line says: draftless n-gram types first
-PRIORITY = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "draft-simple", "draft-mtp")
-ALIASES = {"draft": "draft-simple", "mtp": "draft-mtp"}
-MODEL_TYPES = ("draft-simple", "draft-mtp")
 SELECT_MODES = ("priority", "gain")
 
 
@@ -35,20 +32,19 @@ def parse_spec_types(values: list[str] | str | None) -> list[str]:
         return []
     if isinstance(values, str):
         values = [values]
+    known = spec_type_names()
     names: list[str] = []
     for value in values:
         for raw in value.split(","):
             name = raw.strip().lower()
             if not name:
                 continue
-            name = ALIASES.get(name, name)
-            if name != "none" and name not in PRIORITY:
-                valid = ", ".join(("none",) + PRIORITY + tuple(ALIASES))
-                raise UsageError(f"unknown --spec-type '{raw.strip()}' (valid: {valid})")
-            names.append(name)
+            if name != "none" and name not in known:
+                raise UsageError(f"unknown --spec-type '{raw.strip()}' (valid: {', '.join(['none', *known])})")
+            names.append(known.get(name, name))
     if "none" in names:
         return []
-    return [n for n in PRIORITY if n in names]
+    return [n for n in drafter_types() if n in names]
 
 
 def check_select(value: str) -> str:
@@ -103,7 +99,7 @@ class Chain:
             asking = [p for p in params if p.drafting and (enabled is None or d.name in enabled.get(p.seq, ()))]
             if not asking or cap == 0:
                 continue
-            if self.select == "gain" and d.name not in MODEL_TYPES:
+            if self.select == "gain" and d.cheap:
                 own = [replace(p, result=[], probs=None) for p in asking]  # a proposal apart from the others'
                 spent[d.name] = self._ask(d, own, cap)
                 for p, mine in zip(asking, own):
@@ -127,9 +123,7 @@ class Chain:
         """One draft call of d for `asking` (each p.n_max lowered to cap); returns its drafting seconds."""
         with _capped(asking, cap):
             t_catch_up = time.perf_counter()
-            catch_up = getattr(d, "catch_up", None)
-            if catch_up is not None:  # a lagging cache is the drafter's time, but not the price of its tokens
-                catch_up(asking)
+            d.catch_up(asking)  # a lagging cache is the drafter's time, but not the price of its tokens
             t0 = time.perf_counter()
             d.draft(asking)
             t1 = time.perf_counter()
@@ -172,18 +166,18 @@ class Chain:
 
     def cut(self, p: DraftParams, n: int) -> None:
         """Verify only the first n tokens of p's draft (adaptive draft length; 0 = no draft this step). Verifying a
-        prefix of a draft is as lossless as verifying all of it. A drafter whose accept-time bookkeeping depends on
-        its draft's length defines `shorten(seq, n)` and hears of the cut (ngram-mod's acceptance fraction).
-        A model drafter's draft cut below --draft-min is dropped whole, as the drafter drops a short draft itself."""
+        prefix of a draft is as lossless as verifying all of it. The winner hears of the cut by `shorten(seq, n)`
+        (ngram-mod judges its acceptance fraction against the verified length). A draft cut below the winner's
+        `min_length` (a model drafter's --draft-min) is dropped whole, as the drafter drops a short draft itself."""
         winner = self.last[p.seq]
-        if winner is not None and winner.name in MODEL_TYPES and n < p.min_length(winner.params):
+        if winner is None:
+            return
+        if n < winner.min_length(p):
             n = 0
         del p.result[n:]
         if p.probs is not None:
             p.probs = p.probs[:n] if n else None
-        shorten = getattr(winner, "shorten", None)
-        if shorten is not None:
-            shorten(p.seq, n)
+        winner.shorten(p.seq, n)
         if n == 0:
             self.last[p.seq] = None
 

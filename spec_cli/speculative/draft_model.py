@@ -22,7 +22,7 @@ from spec_cli.batch import Batch
 from spec_cli.context import Context
 from spec_cli.errors import SpecCliError
 from spec_cli.sampling import draw, filter_and_softmax
-from spec_cli.speculative.base import DraftParams, SpecParams
+from spec_cli.speculative.base import DraftParams, Drafter, SpecParams, TargetCache
 
 DRAFT_TOP_K = 10  # llama.cpp LLAMA_DRAFT_TOP_K
 VOCAB_MAX_SIZE_DIFFERENCE = 128  # llama.cpp SPEC_VOCAB_MAX_SIZE_DIFFERENCE
@@ -59,16 +59,18 @@ def check_vocab_compatible(target_tok, draft_tok) -> None:
         raise SpecCliError("draft model vocabulary is not compatible with the target: " + "; ".join(problems))
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     name = "draft-simple"
+    cheap = False
 
     def __init__(self, ctx: Context, params: SpecParams, n_seq: int):
         if ctx.n_seq != n_seq:
             raise SpecCliError(f"draft context has {ctx.n_seq} sequences, the target {n_seq}")
+        ctx.clear()  # a fresh drafter: its draft cache starts empty, as `cached` says
         self.ctx = ctx
         self.params = params
         self.cached: list[list[int]] = [[] for _ in range(n_seq)]  # tokens in the draft KV, by draft position
-        self.target: list[list[int]] = [[] for _ in range(n_seq)]  # tokens in the target KV, as far as known
+        self.target_cache = TargetCache(n_seq)  # tokens in the target KV, as far as known
         self.offset = [0] * n_seq  # target position of draft position 0 (> 0 after a restart from a window)
         self.idle = [0] * n_seq  # target decodes since the sequence last asked for a draft
         self.rng: list[torch.Generator | None] = [None] * n_seq  # per request, for sampled drafts
@@ -79,17 +81,13 @@ class DraftModelDrafter:
 
     def process(self, batch: Batch) -> None:
         late = Batch()
-        for seq in dict.fromkeys(batch.seq_ids):
-            rows = batch.rows_of(seq)
-            known, p0 = self.target[seq], batch.pos[rows[0]]
-            if p0 > len(known):  # positions filled without this drafter: draft() catches up from the history
-                known.clear()
+        for seq, p0 in self.target_cache.record(batch).items():
+            if p0 is None:  # positions filled without this drafter: draft() catches up from the history
                 continue
             if p0 < self.offset[seq]:  # the target went back before the window: start over from position 0
                 self.offset[seq] = 0
                 self._trim(seq, 0)
-            del known[p0:]
-            known.extend(batch.tokens[i] for i in rows)
+            known = self.target_cache.tokens[seq]
             self.idle[seq] += 1
             if self.idle[seq] <= IDLE_STEPS and self._lag(seq, known) > DEFER_MAX:
                 self._add_catch_up(late, seq, known, len(known), seed=False)
@@ -118,7 +116,7 @@ class DraftModelDrafter:
         last_row: dict[int, int] = {}
         for p in params:
             self.idle[p.seq] = 0
-            known = self.target[p.seq]
+            known = self.target_cache.tokens[p.seq]
             if len(known) < p.pos0:  # the target's KV was filled without process(): the history says what it holds
                 known[:] = p.prompt
             del known[p.pos0:]  # rows the target rejected
@@ -171,8 +169,8 @@ class DraftModelDrafter:
             q.scatter_(0, ids, probs)
         return int(draw(q, self.rng[seq])), q
 
-    def accept(self, seq: int, n_accepted: int, is_other: bool) -> None:
-        pass  # the caller's next batch (process / draft) trims the rejected tail
+    def min_length(self, p: DraftParams) -> int:
+        return p.min_length(self.params)
 
     def _synced(self, seq: int) -> list[int]:
         """Cached tokens of a sequence, cut to what the draft context still holds (it may have been cleared)."""

@@ -25,7 +25,7 @@ from spec_cli.batch import Batch
 from spec_cli.context import Context
 from spec_cli.errors import SpecCliError
 from spec_cli.mtp import MTPContext
-from spec_cli.speculative.base import DraftParams, SpecParams
+from spec_cli.speculative.base import DraftParams, Drafter, SpecParams, TargetCache
 from spec_cli.speculative.draft_model import DRAFT_TOP_K
 
 MTP_DRAFT_MAX = 3  # llama.cpp #23269: MTP acceptance falls off quickly with depth, so 3 (not the global 16)
@@ -33,8 +33,9 @@ MTP_DRAFT_P_MIN = 0.0  # llama.cpp #23269 default for MTP (not the global 0.75)
 DEFER_MAX = 64  # head rows kept back for the next draft decode before `process` decodes them itself
 
 
-class MTPDrafter:
+class MTPDrafter(Drafter):
     name = "draft-mtp"
+    cheap = False
 
     def __init__(self, ctx: MTPContext, target: Context, params: SpecParams, n_seq: int,
                  n_max: int = MTP_DRAFT_MAX, p_min: float = MTP_DRAFT_P_MIN):
@@ -43,44 +44,38 @@ class MTPDrafter:
         if ctx.n_ctx_seq < target.n_ctx_seq:
             raise SpecCliError("the MTP context must hold as many positions per sequence as the target's")
         target.capture_hidden = True  # process() reads target.last_hidden after every target decode
+        ctx.clear()  # a fresh drafter: no head row is final yet (n_done)
         self.ctx, self.target, self.params = ctx, target, params
         self.n_max, self.p_min = n_max, p_min
-        self.tokens: list[list[int]] = [[] for _ in range(n_seq)]  # target tokens by position (as in its KV)
+        self.target_cache = TargetCache(n_seq)  # target tokens by position (as in its KV)
         self.n_done = [0] * n_seq
-        self.batch_pos0 = [0] * n_seq  # first position of the sequence's rows in the last processed batch
         self.lost: set[int] = set()  # sequences resumed past positions this drafter never processed
-
-    def begin(self, seq: int, prompt: list[int]) -> None:
-        pass  # the prompt arrived through process(), chunk by chunk
 
     def process(self, batch: Batch) -> None:
         hidden = self.target.last_hidden  # [len(batch), D] target pre-norm states, batch order
         if hidden is None or hidden.shape[0] != len(batch):
             raise SpecCliError("draft-mtp needs the target's hidden states of every decoded row (capture_hidden)")
-        for seq in dict.fromkeys(batch.seq_ids):
-            rows = batch.rows_of(seq)
-            p0 = batch.pos[rows[0]]
-            if p0 > len(self.tokens[seq]):
+        for seq, p0 in self.target_cache.record(batch).items():
+            if p0 is None:
                 # positions this drafter never saw (a KV cache filled without it): no drafts until a fresh start
                 self.lost.add(seq)
-                self.tokens[seq], self.n_done[seq] = [], 0
+                self.n_done[seq] = 0
                 continue
             if p0 == 0:
                 self.lost.discard(seq)
-            self.tokens[seq] = self.tokens[seq][:p0] + [batch.tokens[i] for i in rows]
             self.n_done[seq] = min(self.n_done[seq], p0)
-            self.batch_pos0[seq] = p0
         self.ctx.set_feed(batch.seq_ids, batch.pos, hidden)
-        if sum(len(t) - n for t, n in zip(self.tokens, self.n_done)) > DEFER_MAX:
-            self._decode(self._catch_up(Batch(), range(len(self.tokens))))
+        tokens = self.target_cache.tokens
+        if sum(len(t) - n for t, n in zip(tokens, self.n_done)) > DEFER_MAX:
+            self._decode(self._catch_up(Batch(), range(len(tokens))))
 
     def accept(self, seq: int, n_accepted: int, is_other: bool) -> None:
         # Same bookkeeping whoever drafted (is_other): the target kept id_last + n_accepted rows of the last batch,
         # so the pending hidden state is feed[seq, keep - 1] (verify row n_accepted) and later rows are dropped.
         if seq in self.lost:
             return
-        keep = self.batch_pos0[seq] + n_accepted + 1
-        del self.tokens[seq][keep:]
+        keep = self.target_cache.batch_pos0[seq] + n_accepted + 1
+        del self.target_cache.tokens[seq][keep:]
         self.n_done[seq] = min(self.n_done[seq], keep)
         self.ctx.seq_rm(seq, self.n_done[seq])
 
@@ -90,8 +85,9 @@ class MTPDrafter:
         for p in params:
             if p.seq in self.lost:
                 continue
-            if len(self.tokens[p.seq]) != p.pos0:
-                raise SpecCliError(f"draft-mtp: sequence {p.seq} has {len(self.tokens[p.seq])} processed positions, "
+            n_processed = len(self.target_cache.tokens[p.seq])
+            if n_processed != p.pos0:
+                raise SpecCliError(f"draft-mtp: sequence {p.seq} has {n_processed} processed positions, "
                                    f"the target {p.pos0} (a target decode was not passed to process)")
             if min(p.n_max, self.n_max) > 0:
                 active[p.seq] = p
@@ -129,10 +125,13 @@ class MTPDrafter:
             if len(p.result) < p.min_length(self.params):
                 p.result.clear()
 
+    def min_length(self, p: DraftParams) -> int:
+        return p.min_length(self.params)
+
     def _catch_up(self, batch: Batch, seqs) -> Batch:
         """Add the deferred head rows [n_done, processed) of `seqs` to `batch` (after trimming draft scratch)."""
         for seq in seqs:
-            tokens, start = self.tokens[seq], self.n_done[seq]
+            tokens, start = self.target_cache.tokens[seq], self.n_done[seq]
             self.ctx.seq_rm(seq, start)
             for pos in range(start, len(tokens)):
                 batch.add(tokens[pos], pos, seq, False)
