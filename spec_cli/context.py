@@ -16,6 +16,7 @@ from spec_cli.batch import Batch
 from spec_cli.errors import SpecCliError
 from spec_cli.loader import LoadedModel
 from spec_cli.model import ForwardPlan
+from spec_cli.options import default
 
 
 @dataclass
@@ -25,7 +26,8 @@ class DecodeOutput:
 
 
 class Context:
-    def __init__(self, loaded: LoadedModel, n_ctx: int = 4096, n_seq: int = 1, n_batch: int = 2048, n_ubatch: int = 512):
+    def __init__(self, loaded: LoadedModel, n_ctx: int = default("ctx_size"), n_seq: int = 1,
+                 n_batch: int = default("batch_size"), n_ubatch: int = default("ubatch_size")):
         if n_seq < 1:
             raise SpecCliError("n_seq must be at least 1")
         if n_ctx < n_seq:

@@ -6,7 +6,6 @@ same objects from the same flags.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from spec_cli.context import Context
 from spec_cli.errors import SpecCliError, UsageError
 from spec_cli.generate import Generator
 from spec_cli.loader import LoadedModel, load_model
+from spec_cli.options import DEFAULT_GPU_LAYERS, default
 from spec_cli.speculative.adaptive import CostModel, Planner
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.chain import Chain
@@ -29,16 +29,16 @@ from spec_cli.tokenizer import Tokenizer
 class EngineOptions:
     model: str | None = None  # path or models.toml name (None = default model)
     model_draft: str | None = None
-    n_ctx: int = 4096
-    n_batch: int = 2048
-    n_ubatch: int = 512
+    n_ctx: int = default("ctx_size")
+    n_batch: int = default("batch_size")
+    n_ubatch: int = default("ubatch_size")
     n_seq: int = 1
     threads: int | None = None
-    device: str | None = "auto"
-    n_gpu_layers: int = -1
+    device: str | None = default("device")
+    n_gpu_layers: int = DEFAULT_GPU_LAYERS
     device_draft: str | None = None  # None = the target's device
-    n_gpu_layers_draft: int = -1
-    dtype: str = "auto"
+    n_gpu_layers_draft: int = DEFAULT_GPU_LAYERS
+    dtype: str = default("dtype")
     spec: SpecParams = field(default_factory=SpecParams)
 
 
@@ -68,19 +68,6 @@ class Engine:
         for ctx in (self.draft_ctx, self.mtp_ctx):
             if ctx is not None:
                 ctx.clear()
-
-
-GPU_LAYERS_ALL = "auto"  # -ngl / -ngld default: every block on the GPU (no fitting to free memory)
-
-
-def parse_gpu_layers(value: str, flag: str) -> int:
-    """llama.cpp's N | auto | all for -ngl / -ngld; auto and all (and -1) put every block on the GPU."""
-    word = value.strip().lower()
-    if word in (GPU_LAYERS_ALL, "all"):
-        return -1
-    if not re.fullmatch(r"-1|\d+", word):
-        raise UsageError(f"{flag} must be a number of blocks, auto or all (got '{value}')")
-    return int(word)
 
 
 def resolve(value: str | None) -> Path:

@@ -18,6 +18,7 @@ import torch
 from spec_cli.batch import Batch
 from spec_cli.context import Context
 from spec_cli.errors import SpecCliError
+from spec_cli.options import DRAFT_MAX, default
 from spec_cli.sampling import Sampler, SamplingParams
 from spec_cli.speculative.adaptive import Planner
 from spec_cli.speculative.base import DraftParams
@@ -87,8 +88,8 @@ class Timings:
 class Generator:
     """Bookkeeping over the target context, the tokenizer's end-of-generation ids and the drafter chain."""
 
-    def __init__(self, target: Context, eog_ids: set[int], chain: Chain | None = None, draft_max: int = 16,
-                 verify: str = "auto", planner: Planner | None = None):
+    def __init__(self, target: Context, eog_ids: set[int], chain: Chain | None = None,
+                 draft_max: int = DRAFT_MAX, verify: str = default("spec_verify"), planner: Planner | None = None):
         self.target = target
         self.eog_ids = eog_ids
         self.chain = chain

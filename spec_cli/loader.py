@@ -21,6 +21,7 @@ from spec_cli.config import ModelConfig
 from spec_cli.errors import SpecCliError, UsageError
 from spec_cli.gguf_file import GGUFFile
 from spec_cli.model import Linear, Transformer
+from spec_cli.options import DEFAULT_GPU_LAYERS, default
 from spec_cli import kernels
 from spec_cli.qlinear import QLinear, fuse_projections, supports
 from spec_cli.quants import load_tensor
@@ -143,7 +144,8 @@ def weight_format(dtype: str, devices: list[torch.device]) -> tuple[bool, torch.
 
 
 def load_model(
-    path: str | Path, device: str | None = "auto", n_gpu_layers: int = -1, dtype: str = "auto"
+    path: str | Path, device: str | None = default("device"), n_gpu_layers: int = DEFAULT_GPU_LAYERS,
+    dtype: str = default("dtype"),
 ) -> LoadedModel:
     """Weights per `weight_format`: "auto" keeps CPU-resident layers quantized (3-4x faster than f32 there, llama.cpp
     parity within tests/test_parity.py's tolerance) and is bf16 on CUDA."""

@@ -42,6 +42,7 @@ from spec_cli.model import (
     Transformer,
     rope_tables,
 )
+from spec_cli.options import default
 from spec_cli.qlinear import QLinear, fuse_block_projections
 from spec_cli.quants import load_tensor
 
@@ -222,7 +223,8 @@ class _HeadRunner(nn.Module):
 class MTPContext(Context):
     """The head's own KV (one layer, n_seq sequences, positions as in the target) plus its hidden-state feed."""
 
-    def __init__(self, head: MTPHead, n_ctx: int = 4096, n_seq: int = 1, n_batch: int = 2048, n_ubatch: int = 512):
+    def __init__(self, head: MTPHead, n_ctx: int = default("ctx_size"), n_seq: int = 1,
+                 n_batch: int = default("batch_size"), n_ubatch: int = default("ubatch_size")):
         n_ctx_seq = n_ctx // max(n_seq, 1)
         feed = torch.zeros(n_seq, n_ctx_seq, head.cfg.n_embd, dtype=head.dtype, device=head.device)
         runner = _HeadRunner(head, feed)

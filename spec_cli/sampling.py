@@ -25,24 +25,23 @@ from dataclasses import dataclass
 import torch
 
 from spec_cli.errors import UsageError
-
-RANDOM_SEED = -1  # llama.cpp LLAMA_DEFAULT_SEED (what `-s -1` parses to): pick a fresh seed per sampler
+from spec_cli.options import OPTIONS, RANDOM_SEED, default
 
 
 @dataclass
 class SamplingParams:
     """The sampler flags (llama.cpp `common_params_sampling`, same defaults)."""
 
-    temp: float = 0.8
-    top_k: int = 40  # 0 = off
-    top_p: float = 0.95  # 1.0 = off
-    min_p: float = 0.05  # 0.0 = off
-    repeat_penalty: float = 1.0  # 1.0 = off
-    repeat_last_n: int = 64  # 0 = penalties off, -1 = the whole sequence (llama.cpp: the context size)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int = RANDOM_SEED
-    ignore_eos: bool = False
+    temp: float = default("temp")
+    top_k: int = default("top_k")  # 0 = off
+    top_p: float = default("top_p")  # 1.0 = off
+    min_p: float = default("min_p")  # 0.0 = off
+    repeat_penalty: float = default("repeat_penalty")  # 1.0 = off
+    repeat_last_n: int = default("repeat_last_n")  # 0 = penalties off, -1 = the whole sequence (llama.cpp: n_ctx)
+    presence_penalty: float = default("presence_penalty")
+    frequency_penalty: float = default("frequency_penalty")
+    seed: int = default("seed")  # RANDOM_SEED: a fresh seed per sampler
+    ignore_eos: bool = default("ignore_eos")
 
     @property
     def greedy(self) -> bool:
@@ -59,17 +58,12 @@ class SamplingParams:
         for name in ("temp", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise UsageError(f"{name} must be a finite number, got {getattr(self, name)}")
-        if self.top_k < 0:
-            raise UsageError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise UsageError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise UsageError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repeat_penalty <= 0.0:
-            raise UsageError(f"repeat_penalty must be > 0 (1 = off), got {self.repeat_penalty}")
-        if self.repeat_last_n < -1:
-            raise UsageError(f"repeat_last_n must be >= -1 (0 = off, -1 = whole sequence), got {self.repeat_last_n}")
-        if not RANDOM_SEED <= self.seed < 2**64:
+        for name, note in (("top_k", " (0 = off)"), ("top_p", ""), ("min_p", ""), ("repeat_penalty", " (1 = off)"),
+                           ("repeat_last_n", " (0 = off, -1 = whole sequence)")):
+            value = getattr(self, name)
+            if not OPTIONS[name].within(value):
+                raise UsageError(f"{name} must be {OPTIONS[name].bounds_text()}{note}, got {value}")
+        if not OPTIONS["seed"].within(self.seed):
             raise UsageError(f"seed must be -1 (random) or in [0, 2^64), got {self.seed}")
 
 

@@ -13,9 +13,9 @@ import torch
 
 from spec_cli.cli import main
 from spec_cli.cli.run import chat_loop
-from spec_cli.cli.options import NO_EFFECT
-from spec_cli.engine import EngineOptions, build_engine, parse_gpu_layers
+from spec_cli.engine import EngineOptions, build_engine
 from spec_cli.errors import UsageError
+from spec_cli.options import NO_EFFECT, parse_gpu_layers
 from spec_cli.sampling import SamplingParams
 
 PROMPT = "abc abc abc abc abc abc abc abc"

@@ -24,8 +24,12 @@ SHAPE_FIELDS = ("test", "n_prompt", "n_gen", "n_depth")
 # the n-gram drafters' own settings (SpecParams' ngram_* fields, llama.cpp's --spec-ngram-* flags), each read by the
 # drafter it is named after: empty on rows whose chain lacks that drafter
 NGRAM_FIELDS = tuple(f for f in SpecParams.__dataclass_fields__ if f.startswith("ngram_"))
-CASE_FIELDS = ("temp", "spec_type", "model_draft", "n_gpu_layers_draft", "devices_draft", "draft_max", "draft_min",
-               "draft_p_min", "spec_verify", "spec_select") + NGRAM_FIELDS + ("warm",)
+# a speculative test's parameters that bench sweeps for each prompt set and temperature (params.py), outermost first;
+# the draft model's are read by draft-simple only
+DRAFT_MODEL_FIELDS = ("model_draft", "n_gpu_layers_draft", "devices_draft")
+SWEPT_CASE_FIELDS = ("spec_type",) + DRAFT_MODEL_FIELDS + ("draft_max", "draft_min", "draft_p_min", "spec_verify",
+                                                           "spec_select")
+CASE_FIELDS = ("temp",) + SWEPT_CASE_FIELDS + NGRAM_FIELDS + ("warm",)
 SPEC_FIELDS = ("prompt_set", "n_prompts") + CASE_FIELDS + (
     "n_drafted", "n_accepted", "n_steps", "acceptance", "mean_acc_len", "tokens_per_step", "acc_per_pos", "prompt_ns",
     "draft_ms", "verify_ms", "speedup")

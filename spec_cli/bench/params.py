@@ -23,25 +23,17 @@ import itertools
 import re
 from dataclasses import dataclass, field
 
-from spec_cli.bench import NGRAM_FIELDS
-from spec_cli.engine import parse_gpu_layers
+from spec_cli.bench import DRAFT_MODEL_FIELDS, NGRAM_FIELDS, SWEPT_CASE_FIELDS
 from spec_cli.errors import UsageError
 from spec_cli.models import registry_entry
+from spec_cli.options import BENCH_OPTIONS, DEFAULT_GPU_LAYERS, parse_gpu_layers
 from spec_cli.speculative.adaptive import AUTO, parse_draft_max
-from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.chain import check_select, parse_spec_types
+from spec_cli.speculative.verify import VERIFY_MODES
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+)(?:([+*])(\d+))?)?$")
 FLASH_ATTN = {"auto": -1, "-1": -1, "off": 0, "0": 0, "false": 0, "on": 1, "1": 1, "true": 1}
 OUTPUT_FORMATS = ("md", "csv", "json", "jsonl", "sql", "none")
-VERIFY_MODES = ("auto", "match", "rejection")
-
-# engine parameters, in llama-bench's nesting order (outermost first)
-ENGINE_FIELDS = ("model", "dtype", "n_gpu_layers", "devices", "n_batch", "n_ubatch", "flash_attn", "n_threads")
-# speculative case parameters, outermost first; the draft model's are read by draft-simple only
-DRAFT_MODEL_FIELDS = ("model_draft", "n_gpu_layers_draft", "devices_draft")
-SPEC_FIELDS = ("spec_type",) + DRAFT_MODEL_FIELDS + ("draft_max", "draft_min", "draft_p_min", "spec_verify",
-                                                     "spec_select")
 
 
 def parse_values(text: str) -> list[int]:
@@ -125,7 +117,7 @@ def parse_pairs(values: list[str] | None) -> list[tuple[int, int]]:
 
 def parse_flash_attn(values: list[str] | None) -> list[int]:
     out = []
-    for item in parse_str_list(values, ["auto"]):
+    for item in parse_str_list(values, [BENCH_OPTIONS["flash_attn"].default]):
         if item.lower() not in FLASH_ATTN:
             raise UsageError(f"-fa: expected on, off, auto, 1, 0 or -1, got '{item}'")
         out.append(FLASH_ATTN[item.lower()])
@@ -153,61 +145,64 @@ def chain_types(chain: str) -> list[str]:
     return [] if chain == "none" else chain.split(",")
 
 
+def _default(name: str):
+    """A sweep's default: one value, its flag's (spec_cli/options.py BENCH)."""
+    return field(default_factory=lambda: [BENCH_OPTIONS[name].default])
+
+
 @dataclass
 class BenchParams:
     """Every bench parameter; list fields are swept (Cartesian product), scalars apply to the whole run."""
 
     model: list[str] = field(default_factory=lambda: [""])  # "" = the default model
-    n_prompt: list[int] = field(default_factory=lambda: [512])
-    n_gen: list[int] = field(default_factory=lambda: [128])
+    n_prompt: list[int] = _default("n_prompt")
+    n_gen: list[int] = _default("n_gen")
     n_pg: list[tuple[int, int]] = field(default_factory=list)
-    n_depth: list[int] = field(default_factory=lambda: [0])
-    n_batch: list[int] = field(default_factory=lambda: [2048])
-    n_ubatch: list[int] = field(default_factory=lambda: [512])
+    n_depth: list[int] = _default("n_depth")
+    n_batch: list[int] = _default("n_batch")
+    n_ubatch: list[int] = _default("n_ubatch")
     n_threads: list[int] = field(default_factory=lambda: [0])  # 0 = torch's default, resolved by the runner
-    n_gpu_layers: list[int] = field(default_factory=lambda: [-1])
-    devices: list[str] = field(default_factory=lambda: ["auto"])
-    flash_attn: list[int] = field(default_factory=lambda: [-1])  # recorded only: torch SDPA picks its kernel
-    dtype: list[str] = field(default_factory=lambda: ["auto"])
+    n_gpu_layers: list[int] = field(default_factory=lambda: [DEFAULT_GPU_LAYERS])
+    devices: list[str] = _default("devices")
+    flash_attn: list[int] = field(default_factory=lambda: parse_flash_attn(None))  # recorded only (torch SDPA picks)
+    dtype: list[str] = _default("dtype")
     # speculative sweep
     spec_type: list[str] = field(default_factory=list)  # chains, canonical names joined by ','
     model_draft: list[str] = field(default_factory=list)
-    n_gpu_layers_draft: list[int] = field(default_factory=lambda: [-1])
+    n_gpu_layers_draft: list[int] = field(default_factory=lambda: [DEFAULT_GPU_LAYERS])
     devices_draft: list[str] = field(default_factory=lambda: [""])  # "" = the target's device
-    draft_max: list[int | str] = field(default_factory=lambda: [16])  # ints and/or "auto"
-    draft_min: list[int] = field(default_factory=lambda: [SpecParams.draft_min])
-    draft_p_min: list[float] = field(default_factory=lambda: [SpecParams.draft_p_min])
-    spec_verify: list[str] = field(default_factory=lambda: ["auto"])
-    spec_select: list[str] = field(default_factory=lambda: [SpecParams.select])
-    ngram: dict[str, list[int]] = field(default_factory=lambda: {f: [getattr(SpecParams, f)] for f in NGRAM_FIELDS})
-    temp: list[float] = field(default_factory=lambda: [0.0])  # greedy by default: reproducible, lossless speculation
+    draft_max: list[int | str] = _default("draft_max")  # ints and/or "auto"
+    draft_min: list[int] = _default("draft_min")
+    draft_p_min: list[float] = _default("draft_p_min")
+    spec_verify: list[str] = _default("spec_verify")
+    spec_select: list[str] = _default("spec_select")
+    ngram: dict[str, list[int]] = field(default_factory=lambda: {f: [BENCH_OPTIONS[f].default] for f in NGRAM_FIELDS})
+    temp: list[float] = _default("temp")  # greedy by default: reproducible, lossless speculation
     prompt_sets: list[str] = field(default_factory=list)  # built-in set names or .jsonl paths
     # which test kinds run
     random_tests: bool = True  # pp / tg / pg on random tokens
-    verify_cost: int = 0  # K: time forwards of 1..K rows (0 = off)
+    verify_cost: int = BENCH_OPTIONS["verify_cost"].default  # K: time forwards of 1..K rows (0 = off)
     # run settings
-    repetitions: int = 5
-    warmup: bool = True
-    warm: bool = False  # keep n-gram state and caches across repetitions of a speculative test
-    delay: int = 0
+    repetitions: int = BENCH_OPTIONS["repetitions"].default
+    warmup: bool = not BENCH_OPTIONS["no_warmup"].default
+    warm: bool = BENCH_OPTIONS["warm"].default  # keep n-gram state and caches across repetitions of a spec test
+    delay: int = BENCH_OPTIONS["delay"].default
 
     @property
     def speculative(self) -> bool:
         return bool(self.spec_type or self.prompt_sets)
 
     def validate(self) -> None:
-        for name in ("n_prompt", "n_gen", "n_depth", "draft_min"):
-            if any(v < 0 for v in getattr(self, name)):
-                raise UsageError(f"{name} values must be >= 0")
+        for name in ("n_prompt", "n_gen", "n_depth", "draft_min", "n_batch", "n_ubatch"):
+            if not all(BENCH_OPTIONS[name].within(v) for v in getattr(self, name)):
+                raise UsageError(f"{name} values must be {BENCH_OPTIONS[name].bounds_text()}")
         for value in self.draft_max:
             parse_draft_max(value)
-        for name in ("n_batch", "n_ubatch"):
-            if any(v < 1 for v in getattr(self, name)):
-                raise UsageError(f"{name} values must be >= 1")
         if any(v < 0 for v in self.n_threads):
             raise UsageError("-t values must be >= 1")
-        if any(not 0.0 <= p <= 1.0 for p in self.draft_p_min):
-            raise UsageError("--draft-p-min values must be in [0, 1]")
+        p_min = BENCH_OPTIONS["draft_p_min"]
+        if not all(p_min.within(p) for p in self.draft_p_min):
+            raise UsageError(f"--draft-p-min values must be {p_min.bounds_text()}")
         if any(v not in VERIFY_MODES for v in self.spec_verify):
             raise UsageError(f"--spec-verify values must be one of {', '.join(VERIFY_MODES)}")
         for value in self.spec_select:
@@ -233,13 +228,13 @@ class Test:
     temp: float = 0.0
     spec_type: str = "none"  # "none" = the plain run of the prompt set
     model_draft: str = ""
-    n_gpu_layers_draft: int = -1
+    n_gpu_layers_draft: int = DEFAULT_GPU_LAYERS
     devices_draft: str = ""
     draft_max: int | str = 0  # or "auto"
     draft_min: int = 0
     draft_p_min: float = 0.0
-    spec_verify: str = "auto"
-    spec_select: str = SpecParams.select
+    spec_verify: str = BENCH_OPTIONS["spec_verify"].default
+    spec_select: str = BENCH_OPTIONS["spec_select"].default
     ngram: tuple[tuple[str, int], ...] = ()  # (NGRAM_FIELDS name, value) of the chain's n-gram drafters only
 
 
@@ -260,6 +255,10 @@ class Instance:
     def engine_key(self) -> tuple:
         """What a loaded model depends on: tests sharing it reuse the model (llama-bench `equal_mparams`)."""
         return self.model, self.dtype, self.n_gpu_layers, self.devices
+
+
+# engine parameters, in llama-bench's nesting order (outermost first)
+ENGINE_FIELDS = tuple(f for f in Instance.__dataclass_fields__ if f != "test")
 
 
 def instances(p: BenchParams) -> list[Instance]:
@@ -285,7 +284,7 @@ def _random_tests(p: BenchParams, depth: int) -> list[Test]:
 
 
 def _spec_tests(p: BenchParams, model: str) -> list[Test]:
-    lists = {f: getattr(p, f) or [""] for f in SPEC_FIELDS}
+    lists = {f: getattr(p, f) or [""] for f in SWEPT_CASE_FIELDS}
     if any("draft-simple" in chain_types(c) for c in p.spec_type) and not p.model_draft:
         lists["model_draft"] = _listed_draft(model)
     tests: list[Test] = []
@@ -296,7 +295,7 @@ def _spec_tests(p: BenchParams, model: str) -> list[Test]:
         seen = set()
         cases = itertools.product(*lists.values()) if p.spec_type else []
         for case in cases:
-            values = dict(zip(SPEC_FIELDS, case))
+            values = dict(zip(SWEPT_CASE_FIELDS, case))
             types = chain_types(values["spec_type"])
             if "draft-simple" not in types:  # settings a chain does not read make no duplicate runs
                 values.update({f: Test.__dataclass_fields__[f].default for f in DRAFT_MODEL_FIELDS})
@@ -331,9 +330,9 @@ def from_flags(flags: dict) -> BenchParams:
         spec_type = ["draft-simple"]  # -md alone enables draft-simple, as in every other command (#25345)
     prompt_sets = parse_str_list(flags.get("prompt_set"), []) + list(flags.get("prompts") or [])
     speculative = bool(spec_type or prompt_sets)
-    verify_cost = flags.get("verify_cost") or 0
-    explicit = bool(flags.get("n_prompt") or flags.get("n_pg") or (flags.get("n_gen") and not speculative))
     d = BenchParams()
+    verify_cost = flags.get("verify_cost") or d.verify_cost
+    explicit = bool(flags.get("n_prompt") or flags.get("n_pg") or (flags.get("n_gen") and not speculative))
     return BenchParams(
         model=parse_str_list(flags.get("model"), d.model),
         n_prompt=parse_int_list(flags.get("n_prompt"), d.n_prompt, "-p"),
@@ -358,11 +357,18 @@ def from_flags(flags: dict) -> BenchParams:
         spec_select=parse_str_list(flags.get("spec_select"), d.spec_select),
         ngram={f: parse_int_list(flags.get(f), d.ngram[f], "--spec-" + f.replace("_", "-")) for f in NGRAM_FIELDS},
         temp=parse_float_list(flags.get("temp"), d.temp, "--temp"),
-        prompt_sets=prompt_sets or (["code-edit"] if spec_type else []),
+        prompt_sets=prompt_sets or ([BENCH_OPTIONS["prompt_set"].default] if spec_type else []),
         random_tests=explicit or not (speculative or verify_cost),
         verify_cost=verify_cost,
         repetitions=flags.get("repetitions", d.repetitions),
-        warmup=not flags.get("no_warmup", False),
-        warm=bool(flags.get("warm", False)),
-        delay=flags.get("delay", 0) or 0,
+        warmup=d.warmup and not flags.get("no_warmup"),
+        warm=bool(flags.get("warm", d.warm)),
+        delay=flags.get("delay") or d.delay,
     )
+
+
+def default_values() -> dict:
+    """What the rows of a run without flags record for each parameter (printers hide a column holding only these)."""
+    d = BenchParams()
+    single = {f: v[0] for f, v in vars(d).items() if isinstance(v, list) and len(v) == 1}
+    return {**single, **{f: v[0] for f, v in d.ngram.items()}, "model_draft": Test.model_draft, "warm": d.warm}

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 
-from spec_cli.bench import BOOL_FIELDS, FLOAT_FIELDS, INT_FIELDS, LIST_FIELDS, NGRAM_FIELDS, columns, row_label
-from spec_cli.speculative.base import SpecParams
+from spec_cli.bench import (
+    BOOL_FIELDS, FLOAT_FIELDS, INT_FIELDS, LIST_FIELDS, NGRAM_FIELDS, SWEPT_CASE_FIELDS, columns, row_label,
+)
+from spec_cli.bench.params import default_values
 
 SQL_TABLE = "llama_bench"  # llama-bench's, so that queries written for its tables read ours
 # md: parameter -> (display name, width: negative = left-aligned); defaults decide which columns show
@@ -21,10 +23,7 @@ _MD_PARAMS = {"n_gpu_layers": ("ngl", 3), "n_threads": ("threads", 7), "n_batch"
               "n_ubatch": ("n_ubatch", 8), "flash_attn": ("fa", 3), "devices": ("devices", -8),
               "model_draft": ("model_draft", -12), "n_gpu_layers_draft": ("ngld", 4), "devices_draft": ("devd", -6),
               "spec_verify": ("spec_verify", -12), "spec_select": ("spec_select", -12)}
-_DEFAULTS = {"n_gpu_layers": -1, "n_batch": 2048, "n_ubatch": 512, "flash_attn": -1, "devices": "auto",
-             "temp": 0.0, "warm": False, "model_draft": "", "n_gpu_layers_draft": -1, "devices_draft": "",
-             **{f: getattr(SpecParams, f) for f in ("draft_min", "draft_p_min", *NGRAM_FIELDS)},
-             "spec_verify": "auto", "spec_select": SpecParams.select}
+_DEFAULTS = default_values()
 
 
 def format_rows(rows: list[dict], fmt: str) -> str:
@@ -113,9 +112,9 @@ def _verify_table(rows: list[dict]):
 def _spec_table(rows: list[dict]):
     extra = _engine_cols(rows)
     speculative = [r for r in rows if r["spec_type"] != "none"]  # drafting settings mean nothing on plain rows
+    fixed = ("spec_type", "draft_max")  # columns on every speculative table
     optional = [f for f in ("temp", "warm") if _shown(rows, f)] + [
-        f for f in ("model_draft", "n_gpu_layers_draft", "devices_draft", "draft_min", "draft_p_min", "spec_verify",
-                    "spec_select", *NGRAM_FIELDS) if _shown(speculative, f)]
+        f for f in SWEPT_CASE_FIELDS + NGRAM_FIELDS if f not in fixed and _shown(speculative, f)]
     cols = ([("model", -30), ("backend", -7), ("device", -6), ("dtype", -5)] + [_MD_PARAMS[f] for f in extra]
             + [("test", -16), ("spec_type", -24)] + [_MD_PARAMS.get(f, (f, max(len(f), 6))) for f in optional]
             + [("draft_max", 9), ("acc %", 6), ("acc len", 7), ("acc/pos", -24), ("t/s", 20), ("speedup", 7)])

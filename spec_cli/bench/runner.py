@@ -41,7 +41,7 @@ import torch
 
 import spec_cli
 from spec_cli.batch import Batch
-from spec_cli.bench import NGRAM_FIELDS, Result, row_label
+from spec_cli.bench import NGRAM_FIELDS, SWEPT_CASE_FIELDS, Result, row_label
 from spec_cli.bench.params import BenchParams, Instance, Test, chain_types, instances
 from spec_cli.bench.prompts import PromptSet, load_prompt_set, render_tokens
 from spec_cli.bench.verify_cost import curve
@@ -419,11 +419,8 @@ def _generate(engine: Engine, tokens: list[int], sampling: SamplingParams, n_pre
 def _spec_fields(t: Test, params: BenchParams, set_name: str, n_prompts: int, tally: _Tally) -> dict:
     st, reps = tally.stats, params.repetitions
     return {
-        "prompt_set": set_name, "n_prompts": n_prompts, "temp": t.temp, "spec_type": t.spec_type,
-        "model_draft": t.model_draft, "n_gpu_layers_draft": t.n_gpu_layers_draft, "devices_draft": t.devices_draft,
-        "draft_max": t.draft_max, "draft_min": t.draft_min, "draft_p_min": t.draft_p_min,
-        "spec_verify": t.spec_verify, "spec_select": t.spec_select, **{f: dict(t.ngram).get(f) for f in NGRAM_FIELDS},
-        "warm": params.warm,
+        "prompt_set": set_name, "n_prompts": n_prompts, "temp": t.temp, **{f: getattr(t, f) for f in SWEPT_CASE_FIELDS},
+        **{f: dict(t.ngram).get(f) for f in NGRAM_FIELDS}, "warm": params.warm,
         "n_drafted": st.n_gen_tokens, "n_accepted": st.n_acc_tokens, "n_steps": tally.n_steps,
         "acceptance": 100.0 * st.acceptance, "mean_acc_len": st.mean_acc_len,
         "tokens_per_step": tally.n_tokens / tally.n_steps if tally.n_steps else 0.0,

@@ -16,9 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from spec_cli.cli.common import TextCollector, TextStream, prompt_tokens, read_prompt, run_once
-from spec_cli.cli.options import (
-    LOG, MODEL, PROMPT, SAMPLING, SPEC, engine_options, pick, sampling_params, text_log, with_options,
-)
+from spec_cli.cli.options import engine_options, sampling_params, text_log, with_options
 from spec_cli.cli.output import print_json, print_lookup_text_log, run_table, stderr
 from spec_cli.engine import build_engine
 from spec_cli.errors import UsageError
@@ -26,6 +24,7 @@ from spec_cli.lookup import (
     attach_lookup_chain, build_static_cache, load_tokenizer, lookup_figures, merge_cache_files, save_dynamic_cache,
     simulate, tokenize_corpus,
 )
+from spec_cli.options import LOG, MODEL, PROMPT, SAMPLING, SPEC, default, pick
 from spec_cli.speculative.adaptive import draft_bound, parse_draft_max
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.ngram_cache import save_cache
@@ -102,7 +101,7 @@ def lookup_merge(
 def lookup_stats(
     opts: dict,
     file: str = typer.Option(..., "-f", "--file", help="text to replay"),
-    ctx_size: int = typer.Option(4096, "-c", "--ctx-size", help="chunk size in tokens"),
+    ctx_size: int = typer.Option(default("ctx_size"), "-c", "--ctx-size", help="chunk size in tokens"),
     json_output: bool = typer.Option(False, "--json", help="print the figures as one JSON object"),
 ) -> None:
     """Offline lookup simulation: replay a text in chunks, drafting at every token (llama-lookup-stats)."""

@@ -21,6 +21,7 @@ from spec_cli.errors import UsageError
 from spec_cli.loader import cpu_bf16_is_fast, load_model, parse_device
 from spec_cli.mtp_train import Progress as TrainProgress
 from spec_cli.mtp_train import TrainConfig, train
+from spec_cli.options import default
 
 _DEFAULTS = TrainConfig()
 
@@ -44,7 +45,8 @@ def mtp_train(
                                     help="tokens the head drafts among, the training data's most frequent (0 = all)"),
     resume: bool = typer.Option(False, "--resume", help="continue from OUTPUT's checkpoint and cached features"),
     seed: int = typer.Option(_DEFAULTS.seed, "-s", "--seed", help="data order and initialisation seed"),
-    device: str = typer.Option("auto", "-dev", "--device", help="auto (CUDA when present) | cpu | cuda | cuda:N"),
+    device: str = typer.Option(default("device"), "-dev", "--device",
+                               help="auto (CUDA when present) | cpu | cuda | cuda:N"),
     threads: Optional[int] = typer.Option(None, "-t", "--threads", help="CPU threads (default: torch's)"),
     json_output: bool = typer.Option(False, "--json", help="print the result as JSON on stdout"),
 ) -> None:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import sys
 
 from spec_cli.cli.common import TextCollector, TextStream, prompt_tokens, read_prompt, run_once
-from spec_cli.cli.options import MODEL, PROMPT, SAMPLING, SPEC, engine_options, sampling_params, with_options
+from spec_cli.cli.options import engine_options, sampling_params, with_options
 from spec_cli.cli.output import print_json, print_summary, stderr
 from spec_cli.engine import build_engine
 from spec_cli.generate import generate
+from spec_cli.options import MODEL, PROMPT, SAMPLING, SPEC
 
 
 @with_options(MODEL, PROMPT, SAMPLING, SPEC)

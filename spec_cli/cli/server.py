@@ -15,9 +15,10 @@ from typing import Optional
 
 import typer
 
-from spec_cli.cli.options import MODEL, SAMPLING, SPEC, engine_options, sampling_params, with_options
+from spec_cli.cli.options import engine_options, sampling_params, with_options
 from spec_cli.engine import build_engine
 from spec_cli.errors import UsageError
+from spec_cli.options import MODEL, SAMPLING, SPEC, default
 
 DEFAULT_PARALLEL = 4  # llama-server's -np auto
 
@@ -33,8 +34,8 @@ def server(
     metrics: bool = typer.Option(False, "--metrics", help="enable the Prometheus /metrics endpoint"),
     no_slots: bool = typer.Option(False, "--no-slots", help="disable the /slots endpoint"),
     alias: Optional[str] = typer.Option(None, "-a", "--alias", help="model id shown by the API"),
-    n_predict: int = typer.Option(-1, "-n", "--n-predict", help="default generation limit of a request "
-                                  "(-1 = until end of generation or the slot's context end)"),
+    n_predict: int = typer.Option(default("n_predict"), "-n", "--n-predict", help="default generation limit of a "
+                                  "request (-1 = until end of generation or the slot's context end)"),
     chat_template: Optional[str] = typer.Option(None, "--chat-template", help="override the chat template "
                                                 "(jinja source or chatml|gemma)"),
     allowed_hosts: Optional[str] = typer.Option(None, "--allowed-hosts", help="Host header names to accept "

@@ -12,11 +12,10 @@ import sys
 import typer
 
 from spec_cli.cli.common import TextCollector, TextStream, prompt_tokens, read_prompt, run_once
-from spec_cli.cli.options import (
-    LOG, MODEL, PROMPT, SAMPLING, SPEC, engine_options, sampling_params, text_log, with_options,
-)
+from spec_cli.cli.options import engine_options, sampling_params, text_log, with_options
 from spec_cli.cli.output import print_json, print_summary, print_text_log
 from spec_cli.engine import build_engine
+from spec_cli.options import LOG, MODEL, PROMPT, SAMPLING, SPEC
 
 
 @with_options(MODEL, PROMPT, LOG, SAMPLING, SPEC)

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from spec_cli.engine import Engine
 from spec_cli.errors import SpecCliError, UsageError
+from spec_cli.options import default
 from spec_cli.sampling import SamplingParams
 from spec_cli.server import protocol as P
 from spec_cli.server.guard import RequestGuard
@@ -39,7 +40,7 @@ class ServerSettings:
     api_key: str | None = None
     metrics: bool = False
     slots: bool = True
-    n_predict: int = -1  # default when a request sets no limit
+    n_predict: int = default("n_predict")  # when a request sets no limit
     sampling: SamplingParams = field(default_factory=SamplingParams)  # defaults for request sampling fields
     chat_template: str | None = None  # override of the GGUF's template (jinja source or a builtin name)
     allowed_hosts: list[str] = field(default_factory=list)  # Host names besides IP addresses and localhost

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from spec_cli.errors import UsageError
 from spec_cli.generate import SpecOverrides
+from spec_cli.options import OPTIONS
 from spec_cli.sampling import SamplingParams
 from spec_cli.server.task import Completion
 from spec_cli.speculative.base import SpecParams
@@ -93,25 +94,30 @@ class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
+def _bounded(name: str, **narrower) -> Any:
+    """A request field that stands for a flag (None = the server's value): the flag's bounds, or narrower ones."""
+    return Field(None, **{**OPTIONS[name].bounds(), **narrower})
+
+
 class SpeculativeFields(Strict):
     n_max: int | None = Field(None, ge=0, le=MAX_DRAFT)
-    n_min: int | None = Field(None, ge=0, le=MAX_DRAFT)
-    p_min: float | None = Field(None, ge=0.0, le=1.0)
+    n_min: int | None = _bounded("draft_min", le=MAX_DRAFT)
+    p_min: float | None = _bounded("draft_p_min")
     types: list[str] | None = Field(None, max_length=16)
 
 
 class GenerationFields(Strict):
     """Sampling, stop, cache and speculation fields every completion route accepts (None = server default)."""
 
-    temperature: float | None = Field(None, ge=0.0)
-    top_k: int | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repeat_penalty: float | None = Field(None, gt=0.0)
-    repeat_last_n: int | None = Field(None, ge=-1)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=-1, lt=2**64)
+    temperature: float | None = _bounded("temp", ge=0.0)  # narrower than --temp's (<= 0: greedy)
+    top_k: int | None = _bounded("top_k")
+    top_p: float | None = _bounded("top_p")
+    min_p: float | None = _bounded("min_p")
+    repeat_penalty: float | None = _bounded("repeat_penalty")
+    repeat_last_n: int | None = _bounded("repeat_last_n")
+    presence_penalty: float | None = _bounded("presence_penalty", ge=-2.0, le=2.0)  # OpenAI's range
+    frequency_penalty: float | None = _bounded("frequency_penalty", ge=-2.0, le=2.0)
+    seed: int | None = _bounded("seed")
     ignore_eos: bool | None = None
     stop: str | list[str] | None = None
     stream: bool = False

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from spec_cli.batch import Batch
+from spec_cli.options import DRAFT_MAX, default
 
 
 @dataclass
@@ -31,24 +32,24 @@ class SpecParams:
     """Speculation settings (llama.cpp's `common_params_speculative`, flag defaults per ARCHITECTURE.md)."""
 
     types: list[str] = field(default_factory=list)  # canonical names, e.g. ["ngram-mod", "draft-simple"]
-    draft_max: int = 16  # with `adaptive`, the upper bound of a draft (speculative/adaptive.py AUTO_DRAFT_MAX)
+    draft_max: int = DRAFT_MAX  # with `adaptive`, the upper bound of a draft (speculative/adaptive.py AUTO_DRAFT_MAX)
     adaptive: bool = False  # --draft-max auto: each step's draft length is planned (speculative/adaptive.py)
-    draft_min: int = 0
-    draft_p_min: float = 0.75
-    verify: str = "auto"  # auto | match | rejection
-    select: str = "priority"  # priority | gain: how the chain picks a sequence's draft (chain.SELECT_MODES)
-    ngram_simple_size_n: int = 12
-    ngram_simple_size_m: int = 48
-    ngram_simple_min_hits: int = 1
-    ngram_map_k_size_n: int = 12
-    ngram_map_k_size_m: int = 48
-    ngram_map_k_min_hits: int = 1
-    ngram_map_k4v_size_n: int = 12
-    ngram_map_k4v_size_m: int = 48
-    ngram_map_k4v_min_hits: int = 1
-    ngram_mod_n_match: int = 24
-    ngram_mod_n_min: int = 48
-    ngram_mod_n_max: int = 64
+    draft_min: int = default("draft_min")
+    draft_p_min: float = default("draft_p_min")
+    verify: str = default("spec_verify")  # auto | match | rejection
+    select: str = default("spec_select")  # priority | gain: how the chain picks a sequence's draft (chain.SELECT_MODES)
+    ngram_simple_size_n: int = default("ngram_simple_size_n")
+    ngram_simple_size_m: int = default("ngram_simple_size_m")
+    ngram_simple_min_hits: int = default("ngram_simple_min_hits")
+    ngram_map_k_size_n: int = default("ngram_map_k_size_n")
+    ngram_map_k_size_m: int = default("ngram_map_k_size_m")
+    ngram_map_k_min_hits: int = default("ngram_map_k_min_hits")
+    ngram_map_k4v_size_n: int = default("ngram_map_k4v_size_n")
+    ngram_map_k4v_size_m: int = default("ngram_map_k4v_size_m")
+    ngram_map_k4v_min_hits: int = default("ngram_map_k4v_min_hits")
+    ngram_mod_n_match: int = default("ngram_mod_n_match")
+    ngram_mod_n_min: int = default("ngram_mod_n_min")
+    ngram_mod_n_max: int = default("ngram_mod_n_max")
     lookup_cache_static: str | None = None
     lookup_cache_dynamic: str | None = None
 
