@@ -146,6 +146,9 @@ SPEC = ("Speculative decoding", [
         "which draft a step verifies: priority = llama.cpp's fixed order, first non-empty draft wins; gain = every "
         "n-gram drafter proposes, the draft with the most expected accepted tokens wins (model drafters are asked "
         "only where none proposed)"),
+    Opt("spec_mtp_rollback", str, "partial", ("--spec-mtp-rollback",),
+        "draft-mtp after a verify: partial = keep the head's KV rows of accepted draft tokens (as llama.cpp); "
+        "reeval = re-decode them from the target's hidden states"),
     _ngram("ngram_simple_size_n", 12, "ngram-simple pattern length"),
     _ngram("ngram_simple_size_m", 48, "ngram-simple draft length"),
     _ngram("ngram_simple_min_hits", 1, "ngram-simple min hits (unused, as llama.cpp)"),
@@ -219,6 +222,7 @@ BENCH = [
         _swept("draft_p_min", flags=("--draft-p-min",), help="draft-model p-min"),
         _swept("spec_verify"),
         _swept("spec_select", help="priority | gain: how a chain picks the draft to verify"),
+        _swept("spec_mtp_rollback", help="partial | reeval: draft-mtp's head KV after a verify"),
         Opt("temp", float, 0.0, ("--temp",), "sampling temperatures, 0 = greedy", sweep=True),
         Opt("prompts", str, None, ("--prompts",), "prompt set files (jsonl)", sweep=True),
         Opt("prompt_set", str, "code-edit", ("--prompt-set",), "built-in sets: code-edit, summarize, qa, writing, "

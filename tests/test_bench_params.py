@@ -140,6 +140,13 @@ def test_chain_selection_is_a_sweep_axis():
     assert [i.test.spec_select for i in instances(p)] == ["priority", "priority", "gain"]  # the plain run first
 
 
+def test_mtp_rollback_is_a_sweep_axis_of_chains_with_draft_mtp_only():
+    p = from_flags({"spec_type": ["ngram-simple", "draft-mtp"], "spec_mtp_rollback": ["partial,reeval"],
+                    "n_gen": ["8"]})
+    got = [(i.test.spec_type, i.test.spec_mtp_rollback) for i in instances(p)][1:]
+    assert got == [("ngram-simple", "partial"), ("draft-mtp", "partial"), ("draft-mtp", "reeval")]
+
+
 def test_from_flags_selects_test_kinds():
     plain = from_flags({})
     assert plain.random_tests and not plain.speculative and plain.n_prompt == [512] and plain.n_gen == [128]
@@ -159,6 +166,7 @@ def test_from_flags_selects_test_kinds():
     ({"draft_p_min": ["1.5"]}, "p-min"),
     ({"spec_verify": ["sometimes"]}, "spec-verify"),
     ({"spec_select": ["best"]}, "spec-select"),
+    ({"spec_mtp_rollback": ["some"]}, "spec-mtp-rollback"),
     ({"repetitions": 0}, "-r"),
     ({"spec_type": ["ngram-mod"], "n_gen": ["0"]}, "-n"),
     ({"temp": ["hot"]}, "--temp"),

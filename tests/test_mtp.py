@@ -162,9 +162,10 @@ def record_drafts(engine):
 @pytest.mark.parametrize("n_seq", [1, 4])
 @pytest.mark.parametrize("defer_max", [mtp_drafter.DEFER_MAX, 0])
 def test_drafts_follow_the_shifted_hidden_states(mtp_path, monkeypatch, n_seq, defer_max):
-    """defer_max 0: head rows are decoded in process() itself, verify rows included, and trimmed by accept()."""
+    """defer_max 0: head rows are decoded in process() itself, verify rows included, and trimmed by accept().
+    Under reeval rollback every committed head row reads the target's hidden state, as the reference does."""
     monkeypatch.setattr(mtp_drafter, "DEFER_MAX", defer_max)
-    engine = make_engine(mtp_path, "draft-mtp", n_seq=n_seq)
+    engine = make_engine(mtp_path, "draft-mtp", n_seq=n_seq, mtp_rollback="reeval")
     calls = record_drafts(engine)
     run_all(engine, PROMPTS[:n_seq])
     stats = engine.chain.stats["draft-mtp"]
@@ -177,30 +178,54 @@ def test_drafts_follow_the_shifted_hidden_states(mtp_path, monkeypatch, n_seq, d
     assert wrong_shift_differs, "a head reading h_{p-2} drafts the same: the test could not see a wrong shift"
 
 
-def test_partial_acceptance_keeps_committed_state_only(mtp_path):
-    engine = make_engine(mtp_path, "draft-mtp")
+def head_rows_decoded(drafter) -> list[int]:
+    """Wrap the MTP drafter's head decodes: the number of rows of each."""
+    sizes, inner = [], drafter._decode
+
+    def decode(batch):
+        sizes.append(len(batch))
+        return inner(batch)
+
+    drafter._decode = decode
+    return sizes
+
+
+@pytest.mark.parametrize("rollback", ["partial", "reeval"])
+def test_partial_acceptance_keeps_committed_state_only(mtp_path, rollback):
+    """After a verify that keeps id_last and one of three draft tokens: the target cache and the pending hidden state
+    are the committed ones; the seed row stays (it read the target's hidden state); partial rollback keeps the
+    accepted draft token's head row as drafted and decodes nothing more before the next draft, reeval re-decodes it
+    from the target's hidden state, so that the next draft equals a from-scratch run of the head."""
+    engine = make_engine(mtp_path, "draft-mtp", mtp_rollback=rollback)
     drafter = engine.chain.drafters[-1]
     prompt = PROMPTS[0]
     engine.reset()
     gen = engine.generator()
     id_last = gen.start(0, prompt, GREEDY, N_PREDICT).tokens[0]
-    p = DraftParams(0, 3, len(prompt), id_last, list(prompt))
+    pos0 = len(prompt)
+    p = DraftParams(0, 3, pos0, id_last, list(prompt))
     drafter.draft([p])
     assert len(p.result) == 3
+    drafted_k = drafter.ctx.kv[0][0][0, :, pos0: pos0 + 3].clone()  # head rows of id_last, d1, d2
     batch = Batch()
     for i, t in enumerate([id_last] + p.result):
-        batch.add(t, len(prompt) + i, 0, True)
+        batch.add(t, pos0 + i, 0, True)
     out = engine.ctx.decode(batch)
     drafter.process(batch)
     drafter.accept(0, 1, False)  # the target kept id_last and the first draft token
-    keep = len(prompt) + 2
+    keep = pos0 + 2
+    kept_rows = keep if rollback == "partial" else pos0 + 1
     assert drafter.target_cache.tokens[0] == prompt + [id_last, p.result[0]]
-    assert drafter.n_done[0] <= keep and drafter.ctx.lengths[0] <= keep
+    assert drafter.n_done[0] == kept_rows and drafter.ctx.lengths[0] == kept_rows
+    assert torch.equal(drafter.ctx.kv[0][0][0, :, pos0: kept_rows], drafted_k[:, : kept_rows - pos0])
     torch.testing.assert_close(drafter.ctx.feed[0, keep - 1], out.hidden[1])  # pending = hidden of the last kept row
     engine.ctx.seq_rm(0, keep)
+    sizes = head_rows_decoded(drafter)
     q = DraftParams(0, 3, keep, 5, prompt + [id_last, p.result[0]])
     drafter.draft([q])
-    assert q.result == reference_draft(drafter.ctx.head, engine.target, q.prompt, 5, 3)
+    assert sizes[0] == 1 + keep - kept_rows  # the seed row, behind the re-decoded accepted rows
+    if rollback == "reeval":
+        assert q.result == reference_draft(drafter.ctx.head, engine.target, q.prompt, 5, 3)
 
 
 # --- losslessness -------------------------------------------------------------------------------------------
@@ -208,8 +233,9 @@ def test_partial_acceptance_keeps_committed_state_only(mtp_path):
 
 @pytest.mark.parametrize("chain", ["draft-mtp", "ngram-mod,draft-mtp"])
 @pytest.mark.parametrize("n_seq", [1, 4])
-def test_greedy_speculation_equals_plain(mtp_path, plain_outputs, chain, n_seq):
-    engine = make_engine(mtp_path, chain, n_seq=n_seq)
+@pytest.mark.parametrize("rollback", ["partial", "reeval"])
+def test_greedy_speculation_equals_plain(mtp_path, plain_outputs, chain, n_seq, rollback):
+    engine = make_engine(mtp_path, chain, n_seq=n_seq, mtp_rollback=rollback)
     outs = run_all(engine, PROMPTS[:n_seq])
     assert outs == plain_outputs[:n_seq]
     stats = engine.chain.stats["draft-mtp"]

@@ -28,7 +28,7 @@ NGRAM_FIELDS = tuple(f for f in SpecParams.__dataclass_fields__ if f.startswith(
 # the draft model's are read by draft-simple only
 DRAFT_MODEL_FIELDS = ("model_draft", "n_gpu_layers_draft", "devices_draft")
 SWEPT_CASE_FIELDS = ("spec_type",) + DRAFT_MODEL_FIELDS + ("draft_max", "draft_min", "draft_p_min", "spec_verify",
-                                                           "spec_select")
+                                                           "spec_select", "spec_mtp_rollback")
 CASE_FIELDS = ("temp",) + SWEPT_CASE_FIELDS + NGRAM_FIELDS + ("warm",)
 SPEC_FIELDS = ("prompt_set", "n_prompts") + CASE_FIELDS + (
     "n_drafted", "n_accepted", "n_steps", "acceptance", "mean_acc_len", "tokens_per_step", "acc_per_pos", "prompt_ns",

@@ -29,6 +29,7 @@ from spec_cli.models import registry_entry
 from spec_cli.options import BENCH_OPTIONS, DEFAULT_GPU_LAYERS, parse_gpu_layers
 from spec_cli.speculative.adaptive import AUTO, parse_draft_max
 from spec_cli.speculative.chain import check_select, parse_spec_types
+from spec_cli.speculative.mtp import check_rollback
 from spec_cli.speculative.verify import VERIFY_MODES
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+)(?:([+*])(\d+))?)?$")
@@ -176,6 +177,7 @@ class BenchParams:
     draft_p_min: list[float] = _default("draft_p_min")
     spec_verify: list[str] = _default("spec_verify")
     spec_select: list[str] = _default("spec_select")
+    spec_mtp_rollback: list[str] = _default("spec_mtp_rollback")
     ngram: dict[str, list[int]] = field(default_factory=lambda: {f: [BENCH_OPTIONS[f].default] for f in NGRAM_FIELDS})
     temp: list[float] = _default("temp")  # greedy by default: reproducible, lossless speculation
     prompt_sets: list[str] = field(default_factory=list)  # built-in set names or .jsonl paths
@@ -207,6 +209,8 @@ class BenchParams:
             raise UsageError(f"--spec-verify values must be one of {', '.join(VERIFY_MODES)}")
         for value in self.spec_select:
             check_select(value)
+        for value in self.spec_mtp_rollback:
+            check_rollback(value)
         if self.repetitions < 1:
             raise UsageError("-r must be at least 1")
         if self.verify_cost < 0:
@@ -235,6 +239,7 @@ class Test:
     draft_p_min: float = 0.0
     spec_verify: str = BENCH_OPTIONS["spec_verify"].default
     spec_select: str = BENCH_OPTIONS["spec_select"].default
+    spec_mtp_rollback: str = BENCH_OPTIONS["spec_mtp_rollback"].default
     ngram: tuple[tuple[str, int], ...] = ()  # (NGRAM_FIELDS name, value) of the chain's n-gram drafters only
 
 
@@ -299,6 +304,8 @@ def _spec_tests(p: BenchParams, model: str) -> list[Test]:
             types = chain_types(values["spec_type"])
             if "draft-simple" not in types:  # settings a chain does not read make no duplicate runs
                 values.update({f: Test.__dataclass_fields__[f].default for f in DRAFT_MODEL_FIELDS})
+            if "draft-mtp" not in types:
+                values["spec_mtp_rollback"] = Test.__dataclass_fields__["spec_mtp_rollback"].default
             # the n-gram settings of the chain's own drafters (ngram_mod_n_match belongs to ngram-mod)
             ngram = [f for f in NGRAM_FIELDS if f.startswith(tuple(t.replace("-", "_") + "_" for t in types))]
             for ngram_case in itertools.product(*(p.ngram[f] for f in ngram)):
@@ -355,6 +362,7 @@ def from_flags(flags: dict) -> BenchParams:
         draft_p_min=parse_float_list(flags.get("draft_p_min"), d.draft_p_min, "--draft-p-min"),
         spec_verify=parse_str_list(flags.get("spec_verify"), d.spec_verify),
         spec_select=parse_str_list(flags.get("spec_select"), d.spec_select),
+        spec_mtp_rollback=parse_str_list(flags.get("spec_mtp_rollback"), d.spec_mtp_rollback),
         ngram={f: parse_int_list(flags.get(f), d.ngram[f], "--spec-" + f.replace("_", "-")) for f in NGRAM_FIELDS},
         temp=parse_float_list(flags.get("temp"), d.temp, "--temp"),
         prompt_sets=prompt_sets or ([BENCH_OPTIONS["prompt_set"].default] if spec_type else []),

@@ -23,6 +23,7 @@ from spec_cli.sampling import SamplingParams
 from spec_cli.speculative.adaptive import draft_bound, parse_draft_max
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.chain import check_select, parse_spec_types
+from spec_cli.speculative.mtp import check_rollback
 from spec_cli.speculative.verify import VERIFY_MODES
 
 
@@ -72,6 +73,7 @@ def spec_params(opts: dict) -> SpecParams:
     params.types = parse_spec_types((opts["spec_type"] or []) + (["ngram-mod"] if opts["spec_default"] else []))
     params.verify = opts["spec_verify"]
     params.select = check_select(opts["spec_select"])
+    params.mtp_rollback = check_rollback(opts["spec_mtp_rollback"])
     return params
 
 

@@ -38,6 +38,7 @@ class SpecParams:
     draft_p_min: float = default("draft_p_min")
     verify: str = default("spec_verify")  # auto | match | rejection
     select: str = default("spec_select")  # priority | gain: how the chain picks a sequence's draft (chain.SELECT_MODES)
+    mtp_rollback: str = default("spec_mtp_rollback")  # partial | reeval (speculative/mtp.py ROLLBACK_MODES)
     ngram_simple_size_n: int = default("ngram_simple_size_n")
     ngram_simple_size_m: int = default("ngram_simple_size_m")
     ngram_simple_min_hits: int = default("ngram_simple_min_hits")

@@ -11,6 +11,13 @@ with the next draft's seed rows, in one head decode; rows of rejected draft toke
 they cost anything. `n_done[seq]` = head KV positions [0, n_done) that are final (built from committed tokens and
 target hidden states); everything past it in the head KV is draft scratch, trimmed before the next decode.
 
+Rollback after a verify (`--spec-mtp-rollback`): the draft's head rows at pos0, pos0+1, ... hold (id_last, d_1, ...).
+The seed row read the target's own hidden state, so it equals the row a catch-up would decode and is always kept.
+`partial` (llama.cpp's behaviour) also keeps the rows of accepted draft tokens, built from the head's own hidden
+states instead of the target's, and drops only the rejected tail; `reeval` re-decodes the accepted rows from the
+target's hidden states with the next draft. Both are lossless (the target verifies every token); they differ in the
+head's cost per step and in what its KV holds for later drafts.
+
 `draft`: seed row (id_last, h at the last committed position) at pos0 for every drafting sequence, behind their
 deferred rows; then one batched head decode per draft position, each new row (token, the head's own pre-norm
 output of the previous row) -- the same head applied recursively. Top-1 of a top-k 10 softmax, stop below p_min or
@@ -23,7 +30,7 @@ import torch
 
 from spec_cli.batch import Batch
 from spec_cli.context import Context
-from spec_cli.errors import SpecCliError
+from spec_cli.errors import SpecCliError, UsageError
 from spec_cli.mtp import MTPContext
 from spec_cli.speculative.base import DraftParams, Drafter, SpecParams, TargetCache
 from spec_cli.speculative.draft_model import DRAFT_TOP_K
@@ -31,6 +38,14 @@ from spec_cli.speculative.draft_model import DRAFT_TOP_K
 MTP_DRAFT_MAX = 3  # llama.cpp #23269: MTP acceptance falls off quickly with depth, so 3 (not the global 16)
 MTP_DRAFT_P_MIN = 0.0  # llama.cpp #23269 default for MTP (not the global 0.75)
 DEFER_MAX = 64  # head rows kept back for the next draft decode before `process` decodes them itself
+ROLLBACK_MODES = ("partial", "reeval")
+
+
+def check_rollback(value: str) -> str:
+    """A --spec-mtp-rollback value, checked."""
+    if value not in ROLLBACK_MODES:
+        raise UsageError(f"unknown --spec-mtp-rollback '{value}' (choose from {', '.join(ROLLBACK_MODES)})")
+    return value
 
 
 class MTPDrafter(Drafter):
@@ -49,6 +64,7 @@ class MTPDrafter(Drafter):
         self.n_max, self.p_min = n_max, p_min
         self.target_cache = TargetCache(n_seq)  # target tokens by position (as in its KV)
         self.n_done = [0] * n_seq
+        self.rows: dict[int, tuple[int, list[int]]] = {}  # seq -> (pos0, tokens) of the last draft's head rows
         self.lost: set[int] = set()  # sequences resumed past positions this drafter never processed
 
     def process(self, batch: Batch) -> None:
@@ -56,6 +72,8 @@ class MTPDrafter(Drafter):
         if hidden is None or hidden.shape[0] != len(batch):
             raise SpecCliError("draft-mtp needs the target's hidden states of every decoded row (capture_hidden)")
         for seq, p0 in self.target_cache.record(batch).items():
+            if seq in self.rows and p0 != self.rows[seq][0]:
+                del self.rows[seq]  # not the verify batch of the draft: its head rows are scratch
             if p0 is None:
                 # positions this drafter never saw (a KV cache filled without it): no drafts until a fresh start
                 self.lost.add(seq)
@@ -75,13 +93,27 @@ class MTPDrafter(Drafter):
         if seq in self.lost:
             return
         keep = self.target_cache.batch_pos0[seq] + n_accepted + 1
-        del self.target_cache.tokens[seq][keep:]
-        self.n_done[seq] = min(self.n_done[seq], keep)
+        tokens = self.target_cache.tokens[seq]
+        del tokens[keep:]
+        self.n_done[seq] = max(min(self.n_done[seq], keep), self._kept_rows(seq, tokens))
         self.ctx.seq_rm(seq, self.n_done[seq])
+
+    def _kept_rows(self, seq: int, tokens: list[int]) -> int:
+        """End of the last draft's head rows that stay final: the seed row, and under partial rollback the rows of
+        the accepted draft tokens (the leading rows whose token is the committed one); 0 without a draft."""
+        pos0, drafted = self.rows.pop(seq, (0, []))
+        if not drafted or self.n_done[seq] < pos0:
+            return 0
+        limit = len(drafted) if self.params.mtp_rollback == "partial" else 1
+        n = 0
+        while n < limit and pos0 + n < len(tokens) and tokens[pos0 + n] == drafted[n]:
+            n += 1
+        return pos0 + n
 
     def draft(self, params: list[DraftParams]) -> None:
         active: dict[int, DraftParams] = {}
         batch = Batch()
+        self.rows = {}
         for p in params:
             if p.seq in self.lost:
                 continue
@@ -94,6 +126,7 @@ class MTPDrafter(Drafter):
         self._catch_up(batch, active)
         for seq, p in active.items():
             batch.add(p.id_last, p.pos0, seq, True)  # seed: reads feed[seq, pos0 - 1], the pending hidden state
+            self.rows[seq] = (p.pos0, [p.id_last])
         while active:
             logits, hidden = self._decode(batch)
             flagged = [i for i, f in enumerate(batch.logits) if f]
@@ -118,6 +151,7 @@ class MTPDrafter(Drafter):
                 fed_pos.append(pos)
                 fed_rows.append(i)
                 step.add(ids[k], pos + 1, seq, True)  # reads feed[seq, pos]: the head's own output, set below
+                self.rows[seq][1].append(ids[k])
             if fed_rows:
                 self.ctx.set_feed(fed_seqs, fed_pos, hidden[fed_rows])
             batch = step
