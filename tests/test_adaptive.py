@@ -20,7 +20,7 @@ from spec_cli.context import Context
 from spec_cli.sampling import SamplingParams
 from spec_cli.speculative import adaptive
 from spec_cli.speculative.adaptive import (
-    AUTO, AUTO_DRAFT_MAX, PROBE_GAP_MAX, PROBE_GAP_MIN, AcceptanceModel, CostModel, DraftCost, Planner, expected_tokens,
+    AUTO, AUTO_DRAFT_MAX, PROBE_BUDGET, PROBE_GAP_MAX, PROBE_GAP_MIN, AcceptanceModel, CostModel, DraftCost, Planner, expected_tokens,
 )
 from spec_cli.speculative.chain import Chain
 from tests.test_bench_run import prompt_file, tiny  # noqa: F401 (fixture)
@@ -204,8 +204,7 @@ def test_a_costly_drafter_that_seldom_drafts_is_not_asked():
         planner.observe_yield("x", 1, 0)  # asked, no draft
     planner.observe_yield("x", 4, 1)
     assert planner.yields["x"] < 0.3
-    assert planner.drafting_caps(["x"], 1) == {"x": 1}  # planned at 0: its first 1-token probe ...
-    assert planner.drafting_caps(["x"], 1) == {"x": 0}  # ... then not asked
+    assert planner.drafting_caps(["x"], 1) == {"x": 0}  # planned at 0: not asked, its probes a shortest gap away
     free = planner_with(flat(), {"x": 0.97})  # the same yield costs nothing to a drafter whose asks are free
     free.yields["x"] = planner.yields["x"]
     assert free.drafting_caps(["x"], 1)["x"] > 1
@@ -237,7 +236,7 @@ def test_several_sequences_share_the_padded_verify_batch():
 
 
 def test_a_useless_drafter_is_probed_with_growing_gaps_and_recovers():
-    planner = planner_with(steep(), {"x": 0.0})
+    planner = planner_with(flat(), {"x": 0.0})  # a probe costs next to nothing: the shortest gap
     probes = [step for step in range(1, 200) if planner.drafting_caps(["x"], 1)["x"] == 1]
     assert probes == [1, 1 + PROBE_GAP_MIN, 1 + 3 * PROBE_GAP_MIN, 1 + 7 * PROBE_GAP_MIN]
     planner.drafting_caps(["x"], 1)
@@ -247,20 +246,44 @@ def test_a_useless_drafter_is_probed_with_growing_gaps_and_recovers():
     planner.acceptance.gains = lambda name: [0.99 ** j for j in range(1, AUTO_DRAFT_MAX + 1)]
     planner.costs = flat()
     assert planner.drafting_caps(["x"], 1)["x"] > 1  # right now, and worth asking ...
-    assert planner.probe_gap["x"] == PROBE_GAP_MIN  # ... so should it fall back to 0, its probes start over
+    assert planner.next_probe["x"] == planner.step + PROBE_GAP_MIN  # ... so should it fall back to 0, its probes
+    assert planner.probe_gap["x"] == 2 * PROBE_GAP_MIN  # start over at the shortest gap
 
 
 def test_a_right_but_dear_drafter_is_probed_ever_more_rarely():
-    """A draft model that is right but costs more than it saves (free writing) is not probed again soon because
-    its probes were accepted; its gaps start longer, in proportion to its price per token."""
-    planner = planner_with(flat(), {"x": 0.97})
+    """A draft model whose tokens cost more than they save (free writing) is probed at gaps that hold a probe's
+    whole price (its token, the extra verify row and the catch-up of its idle cache, which is not the price of its
+    tokens) to PROBE_BUDGET of the steps between probes, doubling up to PROBE_GAP_MAX."""
+    costs = CostModel()
+    costs.set_points({1: 1.0, 2: 1.5, 64: 32.0})
+    planner = planner_with(costs, {"x": 0.5})
     planner.observe_drafting("x", 9.0, 1)  # not priced
-    planner.observe_drafting("x", 1.0, 1)  # a forward per drafted token: 10 tenths, gaps from 10 x 16 steps
-    probes = [step for step in range(1, 1000) if planner.drafting_caps(["x"], 1)["x"] == 1]
-    assert [b - a for a, b in zip(probes, probes[1:])][:3] == [10 * PROBE_GAP_MIN, PROBE_GAP_MAX, PROBE_GAP_MAX]
-    for _ in range(5):
-        planner.observe_accept("x", 1, 1)  # every probe accepted
-    assert planner.drafting_caps(["x"], 1) == {"x": 0}
+    planner.observe_drafting("x", 0.3, 1)  # 0.3 forwards per drafted token: pays only when mostly right
+
+    def next_probe(catch_up: float) -> int:
+        """Steps to the next probe; the probe then spends `catch_up` seconds catching its cache up."""
+        for gap in range(1, 10**4):
+            if planner.drafting_caps(["x"], 1)["x"] == 1:
+                planner.observe_catch_up("x", catch_up)
+                return gap
+        raise AssertionError("never probed")
+
+    def worth_asking_for_a_moment() -> None:
+        """The text changes and the drafter pays for a step: its probes start over at the shortest gap."""
+        rates = planner.acceptance.gains
+        planner.acceptance.gains = lambda name: [1.0] * AUTO_DRAFT_MAX
+        assert planner.drafting_caps(["x"], 1)["x"] > 0
+        planner.acceptance.gains = rates
+
+    next_probe(0.0)
+    price = 0.3 + (1.5 - 1.0)  # in one-row forwards
+    first = next_probe(0.0)
+    assert abs(first - price / PROBE_BUDGET) <= 1 and next_probe(0.0) == 2 * first  # then doubling
+    worth_asking_for_a_moment()
+    assert next_probe(0.6) == first  # this probe found the draft cache idle: 0.6 forwards of catch-up
+    worth_asking_for_a_moment()
+    assert abs(next_probe(0.0) - (price + 0.6) / PROBE_BUDGET) <= 1  # the catch-up is part of the price now
+    assert PROBE_GAP_MAX < 4 * first and next_probe(0.0) == PROBE_GAP_MAX
 
 
 # --- lossless, end to end ------------------------------------------------------------------------------------

@@ -50,11 +50,14 @@ ACCEPT_DECAY = 0.9  # per observation: memory of ~10 drafts, so the estimate fol
 PRIOR_ACCEPT = 0.5  # prior a_1 of a drafter never seen; position i > 1 starts from the estimate at i - 1
 PRIOR_WEIGHT = 0.5  # the prior counts as half an observation, forgotten like the others: the first drafts dominate
 # Exploration: a drafter planned at 0 tokens gets a 1-token probe (its estimate only changes when it drafts), the
-# gap to the next probe doubling from PROBE_GAP_MIN steps up to PROBE_GAP_MAX and starting over once one of its
-# tokens is accepted. So a drafter that stays useless costs one 2-row verify per 256 steps in the long run, while
-# one that starts to fit the text (a copied block begins) is found again within 16 to 256 steps.
+# gap to the next probe doubling from its shortest gap up to PROBE_GAP_MAX steps, starting over when the drafter is
+# worth asking again. The shortest gap is PROBE_GAP_MIN steps, or longer for a dear probe: a probe's whole price
+# (the catch-up of an idle draft cache, its token, the extra verify row) is held to PROBE_BUDGET of the time of the
+# steps between probes. So a useless n-gram drafter costs one 2-row verify per 256 steps in the long run, a useless
+# draft model a few percent at most, and one that starts to fit the text (a copied block begins) is found again.
 PROBE_GAP_MIN = 16
 PROBE_GAP_MAX = 256
+PROBE_BUDGET = 0.01
 
 
 def parse_draft_max(text: str | int) -> int | str:
@@ -288,6 +291,7 @@ class Planner:
         self.next_probe: dict[str, int] = {}
         self.probe_gap: dict[str, int] = {}
         self.probing: set[str] = set()  # drafters granted a probe this step
+        self.probe_catch_up: dict[str, float] = {}  # seconds the last probe of a drafter spent catching up
 
     # --- planning -------------------------------------------------------------------------------------------
 
@@ -300,7 +304,9 @@ class Planner:
         for name in names:
             k = self._uniform_length(name, n_seq)
             if k > 0:  # worth asking: should it fall back to 0, its probes start over at the shortest gap
-                self.probe_gap[name] = self._probe_gap_min(name)
+                gap = self._probe_gap_min(name)
+                self.next_probe[name] = self.step + gap
+                self.probe_gap[name] = min(2 * gap, PROBE_GAP_MAX)
             elif self._probe_due(name):
                 k = 1
                 self.probing.add(name)
@@ -367,10 +373,13 @@ class Planner:
         return True
 
     def _probe_gap_min(self, name: str) -> int:
-        """PROBE_GAP_MIN steps, times the drafter's price per token in tenths of a one-row target forward: a draft
-        model's probe (with the catch-up of its idle cache) costs forwards, an n-gram drafter's next to nothing."""
-        tenths = math.ceil(10 * self._draft_cost(name) / self.costs(1)) if self.costs.calibrated else 1
-        return min(PROBE_GAP_MIN * max(1, tenths), PROBE_GAP_MAX)
+        """The fewest steps between probes that keep a probe's price within PROBE_BUDGET of the steps' time, at
+        least PROBE_GAP_MIN: a draft model's probe (with the catch-up of its idle cache) costs forwards, an n-gram
+        drafter's next to nothing."""
+        if not self.costs.calibrated:
+            return PROBE_GAP_MIN
+        price = self.probe_catch_up.get(name, 0.0) + self._draft_cost(name) + self.costs(2) - self.costs(1)
+        return min(max(PROBE_GAP_MIN, math.ceil(price / (PROBE_BUDGET * self.costs(1)))), PROBE_GAP_MAX)
 
     def _draft_cost(self, name: str) -> float:
         cost = self.draft_costs.get(name)
@@ -381,6 +390,11 @@ class Planner:
     def observe_drafting(self, name: str, seconds: float, n_tokens: int) -> None:
         """One draft call of drafter `name` took `seconds` and produced `n_tokens` over all sequences."""
         self.draft_costs.setdefault(name, DraftCost()).observe(seconds, n_tokens)
+
+    def observe_catch_up(self, name: str, seconds: float) -> None:
+        """Drafter `name` spent `seconds` bringing its cache up to date before drafting (its `catch_up`)."""
+        if name in self.probing:
+            self.probe_catch_up[name] = seconds
 
     def observe_yield(self, name: str, n_asked: int, n_drafts: int) -> None:
         """Drafter `name` was asked to draft for n_asked sequences and gave n_drafts non-empty drafts."""

@@ -139,6 +139,7 @@ class Chain:
         n_drafts = sum(1 for p in asking if p.result)
         st.n_proposed += n_drafts
         if self.planner is not None:
+            self.planner.observe_catch_up(d.name, t0 - t_catch_up)
             self.planner.observe_yield(d.name, len(asking), n_drafts)
         st.t_draft_us += (t1 - t_catch_up) * 1e6
         return t1 - t0
