@@ -1,0 +1,28 @@
+"""What `spec-cli server` serves with besides the engine: the flags the routes and the request guard read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from spec_cli.errors import UsageError
+from spec_cli.options import default
+from spec_cli.sampling import SamplingParams
+
+
+@dataclass
+class ServerSettings:
+    alias: str | None = None  # model id in responses (default: the GGUF file name)
+    api_key: str | None = None
+    metrics: bool = False
+    slots: bool = True
+    n_predict: int = default("n_predict")  # when a request sets no limit
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # defaults for request sampling fields
+    chat_template: str | None = None  # override of the GGUF's template (jinja source or a builtin name)
+    allowed_hosts: list[str] = field(default_factory=list)  # Host names besides IP addresses and localhost
+    max_body: int | None = None  # bytes a request body may have (None = no limit)
+
+    def __post_init__(self):
+        if self.api_key == "":
+            raise UsageError("--api-key is empty: give a key, or leave the flag out to serve without one")
+        if self.max_body is not None and self.max_body < 1:
+            raise UsageError("--max-body-mib must be at least 1")

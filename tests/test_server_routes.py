@@ -1,0 +1,89 @@
+"""The server's route handlers called directly, without uvicorn or HTTP: prompt checks, job building, the switches
+of /slots and /metrics, tokenize/detokenize, SSE framing. tests/test_server*.py test the same routes over a socket."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from starlette.requests import Request
+
+from spec_cli.server import ServerSettings
+from spec_cli.server import protocol as P
+from spec_cli.server.routes import Routes, sse
+from spec_cli.server.scheduler import Scheduler
+from tests.server_harness import N_CTX_SLOT, make_engine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path):
+    return make_engine(tiny_model_path, n_seq=2)
+
+
+def routes(engine, **settings) -> Routes:
+    return Routes(engine, Scheduler(engine), ServerSettings(**settings))  # the scheduler's thread is never started
+
+
+def post(body: dict) -> Request:
+    data = json.dumps(body).encode()
+
+    async def receive():
+        return {"type": "http.request", "body": data, "more_body": False}
+
+    return Request({"type": "http", "method": "POST", "path": "/", "headers": []}, receive)
+
+
+def api_error(call) -> P.ApiError:
+    with pytest.raises(P.ApiError) as e:
+        asyncio.run(call) if asyncio.iscoroutine(call) else call()
+    return e.value
+
+
+def test_encode_refuses_empty_foreign_and_oversized_prompts(engine):
+    r = routes(engine)
+    assert r.encode("hello") == engine.tokenizer.encode("hello", add_special=True, parse_special=True)
+    assert r.encode([1, 2, 3]) == [1, 2, 3]
+    assert api_error(lambda: r.encode([])).param == "prompt"
+    assert api_error(lambda: r.encode([engine.tokenizer.n_vocab])).status == 400
+    too_long = api_error(lambda: r.encode([1] * N_CTX_SLOT))
+    assert too_long.type == "exceed_context_size_error" and f"holds {N_CTX_SLOT - 1}" in too_long.message
+
+
+def test_make_job_fills_the_server_defaults_and_checks_the_slot(engine):
+    r = routes(engine, n_predict=7)
+    req = P.parse_request(P.NativeCompletionRequest, b'{"prompt": "hi"}')
+    job = r.make_job(req, [1, 2], None)
+    assert job.prompt == [1, 2] and job.n_predict == 7 and job.id_slot == req.id_slot
+    assert r.make_job(req, [1, 2], 3).n_predict == 3
+    bad_slot = P.parse_request(P.NativeCompletionRequest, b'{"prompt": "hi", "id_slot": 2}')
+    assert api_error(lambda: r.make_job(bad_slot, [1], None)).param == "id_slot"
+
+
+def test_slots_and_metrics_answer_501_when_switched_off(engine):
+    off = routes(engine, slots=False, metrics=False)
+    assert api_error(off.slots()).status == 501
+    assert api_error(off.metrics()).status == 501
+    on = routes(engine, metrics=True)
+    assert len(asyncio.run(on.slots())) == 2
+    assert b"llamacpp:prompt_tokens_total" in asyncio.run(on.metrics()).body
+
+
+def test_models_names_the_alias_and_the_slot_context(engine):
+    body = asyncio.run(routes(engine, alias="tiny").models())
+    (model,) = body["data"]
+    assert model["id"] == "tiny" and model["meta"]["n_ctx_slot"] == N_CTX_SLOT and model["meta"]["n_slots"] == 2
+
+
+def test_tokenize_then_detokenize_round_trips(engine):
+    r = routes(engine)
+    tokens = asyncio.run(r.tokenize(post({"content": "the cat"})))["tokens"]
+    assert asyncio.run(r.detokenize(post({"tokens": tokens}))) == {"content": "the cat"}
+    pieces = asyncio.run(r.tokenize(post({"content": "the cat", "with_pieces": True})))["tokens"]
+    assert [p["id"] for p in pieces] == tokens
+    assert "".join(p["piece"] for p in pieces) == "the cat"
+
+
+def test_sse_frames_json_and_done():
+    assert sse({"a": 1}) == 'data: {"a": 1}\n\n'
+    assert sse(None) == "data: [DONE]\n\n"
