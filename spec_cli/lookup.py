@@ -1,5 +1,6 @@
 """Glue of the lookup tools (llama.cpp examples/lookup: llama-lookup, -create, -merge, -stats) around the n-gram
-cache of `spec_cli.speculative.ngram_cache`: a tokenizer without weights, cache files, llama-lookup's figures.
+cache of `spec_cli.speculative.ngram_cache`: a tokenizer without weights, cache files, llama-lookup's figures
+(the counting and replay on plain token lists are in lookup_offline.py).
 
 `lookup` itself generates through the shared Generator with the chain ["ngram-cache"]; this module attaches that
 chain (timing the cache loading as llama-lookup's t_draft_flat) and saves the dynamic cache afterwards.
@@ -9,21 +10,17 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 
 from spec_cli.engine import Engine, build_chain, resolve
 from spec_cli.errors import SpecCliError, UsageError
 from spec_cli.generate import Sequence
 from spec_cli.gguf_file import GGUFFile
+from spec_cli.lookup_offline import lookup_stats
 from spec_cli.speculative.adaptive import AUTO
 from spec_cli.speculative.base import DraftParams
-from spec_cli.speculative.ngram_cache import (
-    NGRAM_STATIC, NgramCache, NgramCacheDrafter, load_cache, lookup_stats, merge_caches, ngram_cache_update,
-    save_cache,
-)
+from spec_cli.speculative.ngram_cache import NgramCacheDrafter
+from spec_cli.speculative.ngram_cache_file import NgramCache, load_cache, merge_caches
 from spec_cli.tokenizer import Tokenizer
-
-PROGRESS_CHUNK = 65536  # tokens counted between two progress updates of lookup-create
 
 
 def load_tokenizer(model: str | None) -> Tokenizer:
@@ -43,21 +40,7 @@ def tokenize_corpus(tok: Tokenizer, path: str) -> list[int]:
     return tok.encode(text, add_special=True, parse_special=True)
 
 
-# --- lookup-create / lookup-merge
-
-
-def build_static_cache(tokens: list[int], progress: Callable[[int], None] | None = None) -> NgramCache:
-    """Bigram counts over `tokens` (= ngram_cache.create_static_cache), counted in chunks so that
-    `progress(n_tokens_done)` can be called between them."""
-    cache: NgramCache = {}
-    for start in range(0, len(tokens), PROGRESS_CHUNK):
-        end = min(start + PROGRESS_CHUNK, len(tokens))
-        # the chunk's first bigrams need the NGRAM_STATIC tokens before it
-        window = tokens[max(start - NGRAM_STATIC, 0) : end]
-        ngram_cache_update(cache, NGRAM_STATIC, NGRAM_STATIC, window, end - start)
-        if progress:
-            progress(end)
-    return cache
+# --- lookup-merge
 
 
 def merge_cache_files(paths: list[str]) -> NgramCache:

@@ -9,18 +9,17 @@ import sys
 
 import pytest
 
-from spec_cli import lookup as lookup_lib
+from spec_cli import lookup_offline
 from spec_cli.engine import EngineOptions, build_engine
 from spec_cli.generate import generate
-from spec_cli.lookup import (
-    attach_lookup_chain, build_static_cache, load_tokenizer, save_dynamic_cache, tokenize_corpus,
-)
+from spec_cli.lookup import attach_lookup_chain, load_tokenizer, save_dynamic_cache, tokenize_corpus
+from spec_cli.lookup_offline import build_static_cache
 from spec_cli.sampling import SamplingParams
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.ngram_cache import (
-    NGRAM_MAX, NGRAM_MIN, NGRAM_STATIC, SPEC_N_DRAFT, TOKEN_NULL, NgramCacheDrafter, create_static_cache, load_cache,
-    ngram_cache_update, save_cache,
+    NGRAM_MAX, NGRAM_MIN, NGRAM_STATIC, SPEC_N_DRAFT, TOKEN_NULL, NgramCacheDrafter, ngram_cache_update,
 )
+from spec_cli.speculative.ngram_cache_file import load_cache, save_cache
 
 PROMPT = "Hello world, the cat sat on the mat. Hello world, the cat sat"
 CORPUS = "Hello world, the cat sat on the mat. def f(): return the world.\n" * 20
@@ -71,16 +70,17 @@ def test_lookup_create_writes_llamacpp_bigram_cache(monkeypatch, capsys, tmp_pat
     assert first_ngram[NGRAM_STATIC:] == (TOKEN_NULL,) * (4 - NGRAM_STATIC)
     assert first_part[tokens[NGRAM_STATIC]] >= 1
     by_hand = dict(records(raw))
-    assert by_hand == load_cache(str(out)) == create_static_cache(tokens)
+    assert by_hand == load_cache(str(out)) == build_static_cache(tokens)
     # every position with two tokens before it is counted exactly once
     assert sum(sum(part.values()) for part in by_hand.values()) == len(tokens) - NGRAM_STATIC
 
 
 def test_chunked_static_cache_equals_one_pass(monkeypatch):
     tokens = [(7 * i * i + 3 * i) % 11 for i in range(100)]
-    monkeypatch.setattr(lookup_lib, "PROGRESS_CHUNK", 7)
+    one_pass = build_static_cache(tokens)
+    monkeypatch.setattr(lookup_offline, "PROGRESS_CHUNK", 7)
     done: list[int] = []
-    assert build_static_cache(tokens, done.append) == create_static_cache(tokens)
+    assert build_static_cache(tokens, done.append) == one_pass
     assert done == sorted(done) and done[-1] == len(tokens)
 
 

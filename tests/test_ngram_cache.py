@@ -7,10 +7,9 @@ import pytest
 
 from spec_cli.errors import SpecCliError
 from spec_cli.speculative.base import DraftParams, SpecParams
-from spec_cli.speculative.ngram_cache import (
-    NgramCacheDrafter, create_static_cache, load_cache, lookup_stats, make_ngram, merge_caches,
-    ngram_cache_draft, ngram_cache_update, save_cache,
-)
+from spec_cli.lookup_offline import build_static_cache, lookup_stats
+from spec_cli.speculative.ngram_cache import NgramCacheDrafter, make_ngram, ngram_cache_draft, ngram_cache_update
+from spec_cli.speculative.ngram_cache_file import load_cache, merge_caches, save_cache
 
 
 def g(*tokens):
@@ -173,8 +172,8 @@ def test_save_dynamic_merges_the_context_and_a_later_run_drafts_from_it(tmp_path
 # --- tools
 
 
-def test_create_static_cache_counts_bigrams_only():
-    assert create_static_cache([1, 2, 1, 2, 3]) == {g(1, 2): {1: 1, 3: 1}, g(2, 1): {2: 1}}
+def test_static_cache_counts_bigrams_only():
+    assert build_static_cache([1, 2, 1, 2, 3]) == {g(1, 2): {1: 1, 3: 1}, g(2, 1): {2: 1}}
 
 
 def test_lookup_stats_replays_chunks_and_feeds_the_dynamic_cache():

@@ -21,13 +21,14 @@ from spec_cli.cli.output import print_json, print_lookup_text_log, run_table, st
 from spec_cli.engine import build_engine
 from spec_cli.errors import UsageError
 from spec_cli.lookup import (
-    attach_lookup_chain, build_static_cache, load_tokenizer, lookup_figures, merge_cache_files, save_dynamic_cache,
-    simulate, tokenize_corpus,
+    attach_lookup_chain, load_tokenizer, lookup_figures, merge_cache_files, save_dynamic_cache, simulate,
+    tokenize_corpus,
 )
+from spec_cli.lookup_offline import build_static_cache
 from spec_cli.options import LOG, MODEL, PROMPT, SAMPLING, SPEC, default, pick
 from spec_cli.speculative.adaptive import draft_bound, parse_draft_max
 from spec_cli.speculative.base import SpecParams
-from spec_cli.speculative.ngram_cache import save_cache
+from spec_cli.speculative.ngram_cache_file import save_cache
 
 
 DRAFT_MAX = pick(SPEC, "draft_max")

@@ -1,21 +1,20 @@
 """`ngram-cache` (lookup decoding): counts of the tokens that followed each 1..4-gram, in three tiers.
 
-Mirrors llama.cpp common/ngram-cache.cpp (`common_ngram_cache_update/_draft/_save/_load/_merge`, PRs #5479,
-#6828, #6848, #8648), the `ngram-cache` spec type (`common_speculative_impl_ngram_cache`) and the
-examples/lookup tools (lookup-create, lookup-stats). Tiers: the context cache (this request's text, lax
-thresholds), the dynamic cache (earlier generations, strict thresholds) and the static cache (corpus
-bigrams: a weight on the other tiers' candidates, and the last resort). Files use llama.cpp's byte format.
+Mirrors llama.cpp common/ngram-cache.cpp (`common_ngram_cache_update/_draft`, PRs #5479, #6828, #6848, #8648)
+and the `ngram-cache` spec type (`common_speculative_impl_ngram_cache`); the lookup tools (spec_cli/lookup.py,
+spec_cli/lookup_offline.py) count and draft with the same functions.
+Tiers: the context cache (this request's text, lax thresholds), the dynamic cache (earlier generations, strict
+thresholds) and the static cache (corpus bigrams: a weight on the other tiers' candidates, and the last resort).
+The caches' files (llama.cpp's byte format) are read and written by ngram_cache_file.py.
 """
 
 from __future__ import annotations
 
 import os
-import time
-
-import numpy as np
 
 from spec_cli.errors import SpecCliError
 from spec_cli.speculative.base import DraftParams, HistoryDrafter, SpecParams
+from spec_cli.speculative.ngram_cache_file import Ngram, NgramCache, load_cache, merge_caches, save_cache
 
 NGRAM_MIN = 1  # LLAMA_NGRAM_MIN
 NGRAM_MAX = 4  # LLAMA_NGRAM_MAX
@@ -28,9 +27,6 @@ MIN_SAMPLE_LAX = (2, 2, 1, 1)
 MIN_PERCENT_LAX = (66, 50, 50, 50)
 MIN_SAMPLE_STRICT = (4, 3, 2, 2)
 MIN_PERCENT_STRICT = (75, 66, 66, 66)
-
-Ngram = tuple[int, int, int, int]
-NgramCache = dict[Ngram, dict[int, int]]  # n-gram -> {following token: count}
 
 
 def make_ngram(tokens: list[int]) -> Ngram:
@@ -101,112 +97,6 @@ def ngram_cache_draft(
         draft.append(token)
         window.append(token)
     return draft
-
-
-# --- files: records of ngram (4 x int32), ntokens (int32), ntokens x (token, count) int32; little-endian
-
-
-def load_cache(path: str) -> NgramCache:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise SpecCliError(f"cannot read lookup cache {path}: {e.strerror}") from None
-    if len(raw) % 4:
-        raise SpecCliError(f"lookup cache {path} is corrupt: {len(raw)} bytes is not a whole number of int32")
-    data = np.frombuffer(raw, dtype="<i4").tolist()
-    cache: NgramCache = {}
-    pos = 0
-    while pos < len(data):
-        n_tokens = data[pos + 4] if pos + 5 <= len(data) else 0
-        end = pos + 5 + 2 * n_tokens
-        if n_tokens <= 0 or end > len(data):
-            raise SpecCliError(f"lookup cache {path} is corrupt: bad or truncated record at byte {4 * pos}")
-        counts = data[pos + 6 : end : 2]
-        if min(counts) <= 0:
-            raise SpecCliError(f"lookup cache {path} is corrupt: non-positive count at byte {4 * pos}")
-        # A repeated n-gram keeps its first record, as std::map::emplace does.
-        cache.setdefault(tuple(data[pos : pos + 4]), dict(zip(data[pos + 5 : end : 2], counts)))
-        pos = end
-    return cache
-
-
-def save_cache(cache: NgramCache, path: str) -> None:
-    out: list[int] = []
-    for ngram, part in cache.items():
-        out += ngram
-        out.append(len(part))
-        for token, count in part.items():
-            out += (token, count)
-    try:
-        with open(path, "wb") as f:
-            f.write(np.asarray(out, dtype="<i4").tobytes())
-    except OSError as e:
-        raise SpecCliError(f"cannot write n-gram cache {path}: {e.strerror}") from None
-
-
-def merge_caches(target: NgramCache, add: NgramCache) -> None:
-    """Add every count of `add` into `target` (in place)."""
-    for ngram, part in add.items():
-        merged = target.setdefault(ngram, {})
-        for token, count in part.items():
-            merged[token] = merged.get(token, 0) + count
-
-
-# --- lookup tools
-
-
-def create_static_cache(tokens: list[int]) -> NgramCache:
-    """llama-lookup-create: bigram counts over a corpus."""
-    cache: NgramCache = {}
-    ngram_cache_update(cache, NGRAM_STATIC, NGRAM_STATIC, tokens, len(tokens))
-    return cache
-
-
-def lookup_stats(
-    tokens: list[int], n_ctx: int, n_draft: int, nc_static: NgramCache, nc_dynamic: NgramCache
-) -> dict:
-    """llama-lookup-stats: replay `tokens` in chunks of n_ctx as if generated, drafting at every step.
-
-    Each chunk starts with an empty context cache that is merged into nc_dynamic (in place) afterwards.
-    As upstream, only chunks followed by more input are replayed (`i_start + n_ctx < n_input`).
-    """
-    n_drafted = n_accept = 0
-    t_draft = 0.0
-
-    def commit() -> None:  # the next chunk token becomes output and is counted (timed as drafting)
-        nonlocal t_draft
-        out.append(chunk[len(out)])
-        t0 = time.perf_counter()
-        ngram_cache_update(nc_context, NGRAM_MIN, NGRAM_MAX, out, 1)
-        t_draft += time.perf_counter() - t0
-
-    for i_start in range(0, max(len(tokens) - n_ctx, 0), n_ctx):
-        chunk = tokens[i_start : i_start + n_ctx]
-        nc_context: NgramCache = {}
-        out = [chunk[0]]
-
-        while len(out) < n_ctx:
-            t0 = time.perf_counter()
-            draft = ngram_cache_draft(out, n_draft, NGRAM_MIN, NGRAM_MAX, nc_context, nc_dynamic, nc_static)
-            t_draft += time.perf_counter() - t0
-            n_drafted += len(draft)
-            for token in draft:  # accepted while it equals the ground truth
-                if len(out) >= n_ctx or chunk[len(out)] != token:
-                    break
-                n_accept += 1
-                commit()
-            if len(out) < n_ctx:  # the token the target samples itself
-                commit()
-        merge_caches(nc_dynamic, nc_context)
-    return {
-        "n_draft": n_draft,
-        "n_predict": len(tokens) - len(tokens) % n_ctx,
-        "n_drafted": n_drafted,
-        "n_accept": n_accept,
-        "accept": 100.0 * n_accept / n_drafted if n_drafted else 0.0,
-        "t_draft_ms": 1e3 * t_draft,
-    }
 
 
 class NgramCacheDrafter(HistoryDrafter):
