@@ -127,6 +127,21 @@ def llama_cpp_runner(model_path: str, threads: int, n_ctx: int, n_gen: int, eog:
     return run
 
 
+def measure(configs: list[Config], prompts: list[list[int]], rounds: int) -> None:
+    """Fill every configuration's runs: an untimed warmup, then `rounds` interleaved rounds over the prompts."""
+    for cfg in configs:  # untimed warmup: one-time costs (allocations, auto's verify-cost calibration) stay out
+        cfg.run(prompts[0])
+    for rnd in range(rounds):
+        for cfg in configs:
+            cfg.runs.append([])
+        for prompt in prompts:  # every configuration back to back on each prompt: drift hits them alike
+            for cfg in configs:
+                cfg.runs[-1].append(cfg.run(prompt))
+        for cfg in configs:
+            print(f"round {rnd + 1}/{rounds}  {cfg.backend:9s} {cfg.name:38s} {cfg.tok_s():7.2f} tok/s "
+                  "(running median)", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
@@ -163,17 +178,7 @@ def main() -> None:
         configs.append(Config("llama.cpp", "prompt lookup (10)", llama_cpp_runner(
             model_path, args.threads, 4096, args.n_gen, eog, lookup=True)))
 
-    for cfg in configs:  # untimed warmup: one-time costs (allocations, auto's verify-cost calibration) stay out
-        cfg.run(prompts[0])
-    for rnd in range(args.rounds):
-        for cfg in configs:
-            cfg.runs.append([])
-        for prompt in prompts:  # every configuration back to back on each prompt: drift hits them alike
-            for cfg in configs:
-                cfg.runs[-1].append(cfg.run(prompt))
-        for cfg in configs:
-            print(f"round {rnd + 1}/{args.rounds}  {cfg.backend:9s} {cfg.name:38s} {cfg.tok_s():7.2f} tok/s "
-                  "(running median)", flush=True)
+    measure(configs, prompts, args.rounds)
 
     base = configs[0].tok_s()
     print(f"\n{args.model} (draft {args.model_draft or '-'}), prompt set {prompt_set.name} ({len(prompts)} prompts), "

@@ -154,12 +154,7 @@ def load_model(
     cfg = ModelConfig.from_gguf(gf)
     devices, output_device = layer_devices(cfg.n_layer_main, parse_device(device), n_gpu_layers)
     quantize, torch_dtype = weight_format(dtype, devices + [output_device])
-    if quantize and not kernels.available():
-        if dtype == "q":
-            raise SpecCliError(f"--dtype q needs spec-cli's compiled kernels: {kernels.why_unavailable()}")
-        _warn_once(f"spec-cli: {kernels.why_unavailable()}; computing with float32 weights (slower, and batch "
-                   "composition can change greedy output)")
-        quantize = False
+    quantize = quantize and _kernels_for(dtype)
     with torch.device("meta"):
         model = Transformer(cfg)
     model.dtype = torch_dtype
@@ -205,6 +200,17 @@ def load_model(
     kept_quantized = any(m.quantized for m in model.modules() if isinstance(m, QLinear))
     weights = "q" if kept_quantized else _DTYPE_NAMES[torch_dtype]
     return LoadedModel(model, cfg, gf, (time.perf_counter() - t0) * 1000, weights)
+
+
+def _kernels_for(dtype: str) -> bool:
+    """Whether quantized weights can be kept: the compiled kernels are there (--dtype q insists on them)."""
+    if kernels.available():
+        return True
+    if dtype == "q":
+        raise SpecCliError(f"--dtype q needs spec-cli's compiled kernels: {kernels.why_unavailable()}")
+    _warn_once(f"spec-cli: {kernels.why_unavailable()}; computing with float32 weights (slower, and batch "
+               "composition can change greedy output)")
+    return False
 
 
 @functools.cache

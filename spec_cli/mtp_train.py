@@ -10,24 +10,17 @@ ridge-regression map from [enorm(embedding_p); hnorm(h_{p-1})] to the input of t
 from step 0 the head is "the target's last block applied to a linear guess of its input".
 Embeddings and the output matrix stay the target's (frozen, shared, not written).
 
-Data, read at run time, nothing downloaded: the Python standard library's sources and its docs
-(pydoc_data.topics), and the target's own greedy continuations of standard-library snippets. Files are split by
-a hash of their name: held-out files are never trained on, and the acceptance estimate (first-position top-1
-agreement with the target's argmax) is measured on them.
-
-The target runs once over all the data (features: h, the last block's input, top-K ids), cached next to the
-checkpoint; training steps then only run the head.
+Data (mtp_data.py): standard-library text and the target's own greedy continuations of standard-library snippets;
+the acceptance estimate (first-position top-1 agreement with the target's argmax) is measured on held-out files.
+The target runs once over all the data (mtp_features.py: h, the last block's input, top-K ids), cached next to
+the checkpoint; training steps then only run the head.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import random
-import sysconfig
 import time
-import zlib
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,32 +28,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from spec_cli.batch import Batch
 from spec_cli.config import ModelConfig
-from spec_cli.context import Context
 from spec_cli.errors import SpecCliError
 from spec_cli.loader import LoadedModel
-from spec_cli.model import ForwardPlan, Transformer, rope_tables
 from spec_cli.mtp import MTPHead, write_gguf_with_head
-from spec_cli.tokenizer import Tokenizer
-
-HELD_OUT_MOD = 10  # one file in ten (by name hash) is held out
-TOP_K = 8  # target candidates kept per position for the KL term
-# requests the target answers about training snippets (its own generations in chat form); written for this tool
-GEN_REQUESTS = (
-    "Explain what this does, step by step.",
-    "Rewrite this with clearer names and comments. Return the complete code.",
-    "Write a short story in which a programmer runs into the problem this solves.",
-    "Summarize this in a few sentences, then list its main points.",
-    "Write unit tests for this.",
-    "Write a friendly message to a teammate describing this change and asking for feedback.",
-    "Point out possible bugs in this and return a corrected version.",
-    "Write a blog post paragraph about the ideas behind this.",
-    "Add type hints to this code. Return it complete, in one Python code block.",
-    "Add docstrings and short comments where they help, change nothing else, and return the whole code.",
-    "Make one small improvement to this code and return the complete result in a code block.",
-    "Write a short poem inspired by what this code does.",
+from spec_cli.mtp_data import (
+    Progress, ProgressFn, generation_prompts, greedy_continuations, is_held_out, stdlib_documents, token_windows,
 )
+from spec_cli.mtp_features import Features, head_forward, shifted, target_features
+from spec_cli.tokenizer import Tokenizer
 
 
 @dataclass
@@ -77,222 +53,6 @@ class TrainConfig:
     checkpoint_every: int = 50
     draft_vocab: int = 32768  # tokens the head drafts among (most frequent in the training data); 0 = all
     seed: int = 0
-
-
-@dataclass
-class Features:
-    """What the frozen target says about a set of sequences (CPU tensors)."""
-
-    tokens: torch.Tensor  # [N, T] int64
-    hidden: torch.Tensor  # [N, T, D] pre-final-norm hidden state at every position
-    last_in: torch.Tensor  # [M, T, D] input of the last block, first M <= N windows (for the eh_proj init)
-    topk: torch.Tensor  # [N, T, K] int64 target's top-K token ids
-
-
-@dataclass
-class Progress:
-    stage: str  # "data" | "generate" | "features" | "train" | "eval"
-    done: int
-    total: int
-    info: dict
-
-
-ProgressFn = Callable[[Progress], None]
-
-
-# --- data ---------------------------------------------------------------------------------------------------
-
-
-def prompt_set_files() -> set[Path]:
-    """Standard-library files quoted by the built-in prompt sets ({{source:...}} / {{doc:...}}): never trained on,
-    so acceptance measured on those sets is measured on unseen text."""
-    from spec_cli.bench.prompts import _PLACEHOLDER, BUILTIN_DIR
-
-    files = set()
-    for path in sorted(BUILTIN_DIR.glob("*.jsonl")):
-        for _, dotted in _PLACEHOLDER.findall(path.read_text(encoding="utf-8")):
-            parts = dotted.split(".")
-            for i in range(len(parts), 0, -1):  # the longest module prefix defines the file
-                try:
-                    spec = importlib.util.find_spec(".".join(parts[:i]))
-                except (ImportError, ValueError):
-                    continue
-                if spec is not None and spec.origin and spec.origin.endswith(".py"):
-                    files.add(Path(spec.origin).resolve())
-                    break
-    return files
-
-
-def stdlib_documents() -> list[tuple[str, str]]:
-    """(name, text) of the standard library's .py sources (tests and prompt-set sources excluded) and of its
-    pydoc topics, sorted."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    excluded = prompt_set_files()
-    docs = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        parts = rel.split("/")[:-1]
-        if parts and parts[0] == "site-packages" or {"test", "tests", "idle_test"} & set(parts):
-            continue
-        if path.resolve() in excluded:
-            continue
-        try:
-            docs.append((rel, path.read_text(encoding="utf-8")))
-        except (UnicodeDecodeError, OSError):
-            continue
-    try:
-        from pydoc_data.topics import topics
-    except ImportError:  # some distributions strip the docs
-        topics = {}
-    docs.extend((f"pydoc:{name}", text) for name, text in sorted(topics.items()))
-    if not docs:
-        raise SpecCliError(f"no standard-library sources found under {root}")
-    return docs
-
-
-def is_held_out(name: str) -> bool:
-    return zlib.crc32(name.encode()) % HELD_OUT_MOD == 0
-
-
-def token_windows(tokenizer: Tokenizer, docs: list[tuple[str, str]], seq_len: int, n_windows: int,
-                  rng: random.Random) -> torch.Tensor:
-    """[n_windows, seq_len] token windows cut from randomly ordered documents (each window within one document)."""
-    order = list(range(len(docs)))
-    rng.shuffle(order)
-    windows: list[list[int]] = []
-    for i in order:
-        ids = tokenizer.encode(docs[i][1], add_special=False)
-        for start in range(0, len(ids) - seq_len + 1, seq_len):
-            windows.append(ids[start : start + seq_len])
-        if len(windows) >= 4 * n_windows:  # enough to sample from without reading the whole library
-            break
-    if len(windows) < n_windows:
-        raise SpecCliError(f"only {len(windows)} windows of {seq_len} tokens in the corpus, {n_windows} needed")
-    rng.shuffle(windows)
-    return torch.tensor(windows[:n_windows], dtype=torch.long)
-
-
-def generation_prompts(tokenizer: Tokenizer, snippets: torch.Tensor, length: int) -> torch.Tensor:
-    """[N, length] prompts for the target's own generations. With a chat template: a request about a snippet
-    (rotating through GEN_REQUESTS), rendered as the model's chat, the snippet cut to fit; without: the snippet's
-    first `length` tokens to continue."""
-    if not tokenizer.chat_template:
-        return snippets[:, :length]
-    mark = "\x00SNIPPET\x00"
-    prompts = []
-    for i, snippet in enumerate(snippets.tolist()):
-        content = GEN_REQUESTS[i % len(GEN_REQUESTS)] + "\n\n" + mark
-        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], True)
-        before, after = text.split(mark)
-        head = tokenizer.encode(before, add_special=True, parse_special=True)
-        tail = tokenizer.encode(after, add_special=False, parse_special=True)
-        n_snippet = length - len(head) - len(tail)
-        if n_snippet < length // 4:  # a long chat preamble would leave nothing to talk about
-            return snippets[:, :length]
-        prompts.append(head + snippet[:n_snippet] + tail)
-    return torch.tensor(prompts, dtype=torch.long)
-
-
-def greedy_continuations(loaded: LoadedModel, prompts: torch.Tensor, n_new: int, progress: ProgressFn | None = None,
-                         n_par: int = 32) -> torch.Tensor:
-    """prompts [N, P] -> [N, P + n_new]: the target's own greedy continuations, n_par sequences per decode."""
-    out = []
-    N, P = prompts.shape
-    for b0 in range(0, N, n_par):
-        chunk = prompts[b0 : b0 + n_par].tolist()
-        ctx = Context(loaded, n_ctx=len(chunk) * (P + n_new), n_seq=len(chunk), n_batch=len(chunk) * P)
-        batch = Batch()
-        for s, ids in enumerate(chunk):
-            for t, tok in enumerate(ids):
-                batch.add(tok, t, s, t == P - 1)
-        logits = ctx.decode(batch).logits
-        for i in range(n_new):
-            nxt = logits.argmax(-1).tolist()
-            for s, tok in enumerate(nxt):
-                chunk[s].append(tok)
-            if progress:
-                progress(Progress("generate", b0 * n_new + (i + 1) * len(chunk), N * n_new, {}))
-            if i == n_new - 1:
-                break
-            step = Batch()
-            for s, tok in enumerate(nxt):
-                step.add(tok, P + i, s, True)
-            logits = ctx.decode(step).logits
-        out.extend(chunk)
-    return torch.tensor(out, dtype=torch.long)
-
-
-# --- forward passes without a persistent cache ----------------------------------------------------------------
-
-
-def causal_plan(B: int, T: int, cfg: ModelConfig, device: torch.device) -> ForwardPlan:
-    """Plan for B fresh sequences of T rows each at positions 0..T-1 (one scratch cache of T cells per sequence)."""
-    pos = torch.arange(T, device=device).expand(B, T)  # [B, T]
-    key = torch.arange(T, device=device)
-    causal = key <= pos[..., None]  # [B, T, T]
-    swa = causal & (pos[..., None] - key < cfg.sliding_window) if cfg.sliding_window else None
-    return ForwardPlan(
-        positions=pos,
-        write_rows=torch.arange(B * T, device=device),
-        write_seq=torch.arange(B, device=device).repeat_interleave(T),
-        write_pos=pos.reshape(-1),
-        kv_seqs=slice(0, B),
-        n_kv=T,
-        mask_full=causal.unsqueeze(1),
-        mask_swa=swa.unsqueeze(1) if swa is not None else None,
-    )
-
-
-def scratch_kv(cfg: ModelConfig, B: int, T: int, dtype: torch.dtype, device: torch.device):
-    shape = (B, cfg.n_head_kv, T, cfg.head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
-
-
-def shifted(hidden: torch.Tensor) -> torch.Tensor:
-    """[B, T, D] target hidden states -> the head's hidden input: row p gets h_{p-1}, row 0 gets zeros."""
-    return F.pad(hidden[:, :-1], (0, 0, 1, 0))
-
-
-def head_forward(head: MTPHead, tokens: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-    """tokens [B, T], prev [B, T, D] (row p: hidden input of position p) -> head pre-norm output [B, T, D],
-    all positions at once with a fresh cache (training, and the reference the drafter is tested against)."""
-    B, T = tokens.shape
-    cfg, device = head.cfg, head.device
-    plan = causal_plan(B, T, cfg, device)
-    base = cfg.rope_base_swa if head.block.swa else cfg.rope_base
-    rope = rope_tables(plan.positions, cfg.rope_dim, base, cfg.rope_scale)
-    k, v = scratch_kv(cfg, B, T, prev.dtype, device)  # a fresh cache each call: autograd flows through it
-    return head(tokens.to(device), prev.to(device), plan, rope, k, v)
-
-
-def target_features(model: Transformer, tokens: torch.Tensor, batch: int, progress: ProgressFn | None = None,
-                    stage: str = "features", last_in_rows: int = 16384) -> Features:
-    """Run the frozen target over [N, T] token windows: hidden states, top-K ids, and the last block's input for
-    the first windows holding `last_in_rows` positions."""
-    cfg = model.cfg
-    N, T = tokens.shape
-    device = model.layer_devices[0]
-    captured: list[torch.Tensor] = []
-    hook = model.layers[-1].register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
-    hidden, last_in, topk = [], [], []
-    try:
-        for b0 in range(0, N, batch):
-            tok = tokens[b0 : b0 + batch]
-            B = tok.shape[0]
-            kv = [scratch_kv(cfg, B, T, model.dtype, dev) for dev in model.layer_devices]
-            with torch.inference_mode():
-                h = model.forward_hidden(tok.to(device), causal_plan(B, T, cfg, device), kv)  # [B, T, D]
-                ids = torch.cat([model.logits(h[i]).topk(TOP_K, dim=-1).indices[None] for i in range(B)])
-            hidden.append(h.float().cpu())
-            x = captured.pop()
-            if b0 * T < last_in_rows:
-                last_in.append(x.float().cpu())
-            topk.append(ids.cpu())
-            if progress:
-                progress(Progress(stage, min(b0 + batch, N) * T, N * T, {}))
-    finally:
-        hook.remove()
-    return Features(tokens, torch.cat(hidden), torch.cat(last_in) if last_in else torch.empty(0), torch.cat(topk))
 
 
 # --- the head -----------------------------------------------------------------------------------------------
@@ -429,6 +189,21 @@ def build_data(loaded: LoadedModel, cfg: TrainConfig, progress: ProgressFn | Non
     return feats, held_feats
 
 
+def cached_data(loaded: LoadedModel, cfg: TrainConfig, path: Path, resume: bool,
+                progress: ProgressFn | None) -> tuple[Features, Features]:
+    """build_data's features, read back from `path` when resuming with the same data settings, else built and
+    saved there."""
+    data_key = {k: v for k, v in asdict(cfg).items() if k in ("seq_len", "batch", "data_tokens", "gen_tokens",
+                                                               "eval_tokens", "seed")}
+    cached = torch.load(path) if resume and path.exists() else None
+    if cached is not None and cached["key"] == data_key:
+        return Features(**cached["train"]), Features(**cached["held"])
+    feats, held = build_data(loaded, cfg, progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"key": data_key, "train": asdict(feats), "held": asdict(held)}, path)
+    return feats, held
+
+
 def train(loaded: LoadedModel, out_path: str | Path, cfg: TrainConfig, progress: ProgressFn | None = None,
           resume: bool = False) -> TrainResult:
     """Train a NextN head on the frozen target and write out_path = the model's GGUF + the head."""
@@ -436,16 +211,8 @@ def train(loaded: LoadedModel, out_path: str | Path, cfg: TrainConfig, progress:
     out_path = Path(out_path)
     torch.manual_seed(cfg.seed)
     device = loaded.model.output_device
-    ckpt_path, feats_path = out_path.with_suffix(".ckpt.pt"), out_path.with_suffix(".features.pt")
-    data_key = {k: v for k, v in asdict(cfg).items() if k in ("seq_len", "batch", "data_tokens", "gen_tokens",
-                                                               "eval_tokens", "seed")}
-    cached = torch.load(feats_path) if resume and feats_path.exists() else None
-    if cached is not None and cached["key"] == data_key:
-        feats, held = Features(**cached["train"]), Features(**cached["held"])
-    else:
-        feats, held = build_data(loaded, cfg, progress)
-        feats_path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"key": data_key, "train": asdict(feats), "held": asdict(held)}, feats_path)
+    ckpt_path = out_path.with_suffix(".ckpt.pt")
+    feats, held = cached_data(loaded, cfg, out_path.with_suffix(".features.pt"), resume, progress)
     head = init_head(loaded, feats, cfg.ridge, device)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
     warmup = max(1, min(20, cfg.steps // 10))

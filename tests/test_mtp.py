@@ -22,16 +22,9 @@ from spec_cli.gguf_file import GGUFFile
 from spec_cli.loader import load_model
 from spec_cli import mtp as mtp_module
 from spec_cli.mtp import MTPContext, load_mtp_head
-from spec_cli.mtp_train import (
-    TrainConfig,
-    draft_vocabulary,
-    generation_prompts,
-    head_forward,
-    prompt_set_files,
-    stdlib_documents,
-    token_windows,
-    train,
-)
+from spec_cli.mtp_data import generation_prompts, prompt_set_files, stdlib_documents, token_windows
+from spec_cli.mtp_features import head_forward
+from spec_cli.mtp_train import TrainConfig, draft_vocabulary, train
 from spec_cli.qlinear import QLinear
 from spec_cli.sampling import SamplingParams
 from spec_cli.speculative import mtp as mtp_drafter

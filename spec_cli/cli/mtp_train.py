@@ -19,8 +19,8 @@ from spec_cli.cli.output import print_json, stderr
 from spec_cli.engine import resolve
 from spec_cli.errors import UsageError
 from spec_cli.loader import cpu_bf16_is_fast, load_model, parse_device
-from spec_cli.mtp_train import Progress as TrainProgress
-from spec_cli.mtp_train import TrainConfig, train
+from spec_cli.mtp_data import Progress as TrainProgress
+from spec_cli.mtp_train import TrainConfig, TrainResult, train
 from spec_cli.options import default
 
 _DEFAULTS = TrainConfig()
@@ -82,8 +82,12 @@ def mtp_train(
         result = train(loaded, output, cfg, progress, resume=resume)
     if json_output:
         print_json(result.to_dict())
-        return
+    else:
+        stderr.print(summary(result))
+
+
+def summary(result: TrainResult) -> str:
     loss = f"loss {result.loss_first:.3f} -> {result.loss_last:.3f}; " if result.steps else ""
-    stderr.print(f"wrote {result.out_path}: {result.steps} steps in {result.seconds:.0f} s on {result.train_tokens} "
-                 f"tokens ({result.gen_tokens} in windows of the target's own answers); {loss}held-out first-position acceptance "
-                 f"{result.acc_before:.1%} -> {result.acc_after:.1%} on {result.eval_tokens} tokens")
+    return (f"wrote {result.out_path}: {result.steps} steps in {result.seconds:.0f} s on {result.train_tokens} "
+            f"tokens ({result.gen_tokens} in windows of the target's own answers); {loss}held-out first-position "
+            f"acceptance {result.acc_before:.1%} -> {result.acc_after:.1%} on {result.eval_tokens} tokens")
