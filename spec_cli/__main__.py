@@ -1,3 +1,4 @@
 from spec_cli.cli import main
 
-main()
+if __name__ == "__main__":  # not when a spawned -tp rank imports it as __mp_main__
+    main()

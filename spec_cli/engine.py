@@ -39,6 +39,7 @@ class EngineOptions:
     device_draft: str | None = None  # None = the target's device
     n_gpu_layers_draft: int = DEFAULT_GPU_LAYERS
     dtype: str = default("dtype")
+    tensor_parallel: int = default("tensor_parallel")  # ranks the target is sharded over (tensor_parallel.py)
     spec: SpecParams = field(default_factory=SpecParams)
 
 
@@ -94,7 +95,7 @@ def build_engine(opts: EngineOptions) -> Engine:
         spec.types = [t for t in spec.types] + ["draft-simple"]  # -md alone enables draft-simple (#25345)
     if "draft-simple" in spec.types and not opts.model_draft:
         raise UsageError("--spec-type draft-simple needs a draft model (-md FILE|NAME)")
-    target = load_model(resolve(opts.model), opts.device, opts.n_gpu_layers, opts.dtype)
+    target = load_target(opts)
     tokenizer = Tokenizer.from_metadata(target.gguf.metadata)
     draft = None
     if "draft-simple" in spec.types:
@@ -104,13 +105,27 @@ def build_engine(opts: EngineOptions) -> Engine:
     return assemble_engine(opts, target, tokenizer, draft)
 
 
+def load_target(opts: EngineOptions) -> LoadedModel:
+    """The target whole, or with -tp N (or under torchrun) rank 0's shard, its followers loading theirs."""
+    from spec_cli import tensor_parallel, tp_comm
+
+    if tp_comm.world_size(opts.tensor_parallel) == 1:
+        return load_model(resolve(opts.model), opts.device, opts.n_gpu_layers, opts.dtype)
+    if opts.n_gpu_layers != DEFAULT_GPU_LAYERS:
+        raise UsageError("-tp puts every block on its rank's device: -ngl cannot be combined with it")
+    if "draft-mtp" in opts.spec.types:
+        raise UsageError("--spec-type draft-mtp reads the target's NextN head, which -tp does not shard")
+    return tensor_parallel.load_target(resolve(opts.model), opts.device, opts.dtype, opts.tensor_parallel,
+                                       opts.threads)
+
+
 def assemble_engine(opts: EngineOptions, target: LoadedModel, tokenizer: Tokenizer,
                     draft: LoadedModel | None) -> Engine:
     """Contexts, the MTP head and the drafter chain around loaded models (`draft` when the types hold
     draft-simple). Separate from loading because bench keeps its models loaded across tests."""
     spec = opts.spec
     n_ctx = opts.n_ctx if opts.n_ctx > 0 else target.config.n_ctx_train
-    ctx = Context(target, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
+    ctx = context_class(target)(target, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
     # the draft context has the target's n_ctx (a smaller one crashed llama.cpp, #22554)
     draft_ctx = Context(draft, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch) if draft else None
     engine = Engine(target, tokenizer, ctx, None, spec, draft, draft_ctx, costs=CostModel(verify_cost_cache()))
@@ -122,6 +137,15 @@ def assemble_engine(opts: EngineOptions, target: LoadedModel, tokenizer: Tokeniz
         engine.mtp_ctx = MTPContext(head, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
     engine.chain = build_chain(engine)
     return engine
+
+
+def context_class(loaded: LoadedModel) -> type[Context]:
+    """Context, or for a -tp shard the context that drives the followers' shards too."""
+    if loaded.shard is None:
+        return Context
+    from spec_cli.tensor_parallel import ShardedContext
+
+    return ShardedContext
 
 
 def build_chain(engine: Engine) -> Chain | None:

@@ -55,6 +55,8 @@ class LoadedModel:
     gguf: GGUFFile
     load_ms: float
     weights: str = "f32"  # how linear weights are held: "q" (kept quantized, qlinear.py), "f32", "bf16" or "f16"
+    # -tp: the key every rank knows this rank's shard by (tensor_parallel.py); `config` then has the local head counts
+    shard: str | None = None
 
 
 def parse_device(name: str | None) -> torch.device:

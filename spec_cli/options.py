@@ -86,6 +86,9 @@ MODEL = ("Model and context", [
     Opt("n_gpu_layers", str, GPU_LAYERS_ALL, ("-ngl", "--n-gpu-layers", "--gpu-layers"),
         "blocks on the GPU, last first: N, or auto | all | -1 = every block"),
     Opt("device", str, "auto", ("-dev", "--device"), "auto | cpu | cuda | cuda:N"),
+    Opt("tensor_parallel", int, 1, ("-tp", "--tensor-parallel"),
+        "shard the model over N ranks of torch.distributed (gloo on the CPU, NCCL on CUDA); the command spawns "
+        "them, or torchrun --nproc-per-node N starts them", ge=1),
     Opt("dtype", str, "auto", ("--dtype",),
         "auto (q on the CPU, bf16 on CUDA) | q (GGUF weights kept quantized on the CPU, 3-4x faster than f32) | f32 | f16 | bf16"),
 ])
@@ -210,6 +213,7 @@ BENCH = [
             f"on | off | auto: recorded in the rows, no effect: {NO_EFFECT['-fa']}", sweep=True),
         _swept("n_gpu_layers"),
         _swept("dtype"),
+        OPTIONS["tensor_parallel"],  # one value: a command holds one group of ranks
     ]),
     ("Speculative sweep (lists)", [
         Opt("spec_type", str, None, ("--spec-type",), "drafter chains to sweep: a comma list is one chain as in "

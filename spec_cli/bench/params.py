@@ -189,6 +189,7 @@ class BenchParams:
     warmup: bool = not BENCH_OPTIONS["no_warmup"].default
     warm: bool = BENCH_OPTIONS["warm"].default  # keep n-gram state and caches across repetitions of a spec test
     delay: int = BENCH_OPTIONS["delay"].default
+    tensor_parallel: int = BENCH_OPTIONS["tensor_parallel"].default  # -tp: one group of ranks for the whole run
 
     @property
     def speculative(self) -> bool:
@@ -198,6 +199,8 @@ class BenchParams:
         for name in ("n_prompt", "n_gen", "n_depth", "draft_min", "n_batch", "n_ubatch"):
             if not all(BENCH_OPTIONS[name].within(v) for v in getattr(self, name)):
                 raise UsageError(f"{name} values must be {BENCH_OPTIONS[name].bounds_text()}")
+        if not BENCH_OPTIONS["tensor_parallel"].within(self.tensor_parallel):
+            raise UsageError(f"-tp must be {BENCH_OPTIONS['tensor_parallel'].bounds_text()}")
         for value in self.draft_max:
             parse_draft_max(value)
         if any(v < 0 for v in self.n_threads):
@@ -372,6 +375,7 @@ def from_flags(flags: dict) -> BenchParams:
         warmup=d.warmup and not flags.get("no_warmup"),
         warm=bool(flags.get("warm", d.warm)),
         delay=flags.get("delay") or d.delay,
+        tensor_parallel=flags.get("tensor_parallel") or d.tensor_parallel,
     )
 
 

@@ -46,9 +46,9 @@ from spec_cli.bench.params import BenchParams, Instance, Test, chain_types, inst
 from spec_cli.bench.prompts import PromptSet, load_prompt_set, render_tokens
 from spec_cli.bench.verify_cost import curve
 from spec_cli.context import Context
-from spec_cli.engine import Engine, EngineOptions, assemble_engine, build_chain, resolve
+from spec_cli.engine import Engine, EngineOptions, assemble_engine, build_chain, context_class, load_target, resolve
 from spec_cli.errors import SpecCliError
-from spec_cli.loader import LoadedModel, load_model
+from spec_cli.loader import LoadedModel
 from spec_cli.sampling import SamplingParams
 from spec_cli.speculative.adaptive import draft_bound, time_forwards
 from spec_cli.speculative.base import SpecParams
@@ -129,9 +129,10 @@ class BenchModel:
         return "cuda" in self.device
 
 
-def load_bench_model(name: str, device: str, n_gpu_layers: int, dtype: str) -> BenchModel:
+def load_bench_model(name: str, device: str, n_gpu_layers: int, dtype: str, tensor_parallel: int = 1) -> BenchModel:
     path = resolve(name or None)
-    loaded = load_model(path, device, n_gpu_layers, dtype)
+    loaded = load_target(EngineOptions(model=str(path), device=device, n_gpu_layers=n_gpu_layers, dtype=dtype,
+                                       tensor_parallel=tensor_parallel))
     gf = loaded.gguf
     n_params = sum(t.n_elements for t in gf.tensors.values())
     try:
@@ -149,8 +150,9 @@ class Models:
     """Keeps the current target loaded while consecutive instances share it (llama-bench reloads only when the
     model parameters change) and every draft model once."""
 
-    def __init__(self, log: Callable[[str], None]):
+    def __init__(self, log: Callable[[str], None], tensor_parallel: int = 1):
         self.log = log
+        self.tensor_parallel = tensor_parallel  # -tp: ranks every target is sharded over (drafts stay whole)
         self.key: tuple | None = None
         self.current: BenchModel | None = None
         self.drafts: dict[tuple, BenchModel] = {}
@@ -158,7 +160,7 @@ class Models:
     def target(self, inst: Instance) -> BenchModel:
         if inst.engine_key() != self.key:
             self.current = None  # free the previous model before loading the next
-            self.current = self._load(inst.model, inst.devices, inst.n_gpu_layers, inst.dtype)
+            self.current = self._load(inst.model, inst.devices, inst.n_gpu_layers, inst.dtype, self.tensor_parallel)
             self.key = inst.engine_key()
         return self.current
 
@@ -171,8 +173,8 @@ class Models:
             self.drafts[key] = draft
         return self.drafts[key]
 
-    def _load(self, name: str, device: str, n_gpu_layers: int, dtype: str) -> BenchModel:
-        model = load_bench_model(name, device, n_gpu_layers, dtype)
+    def _load(self, name: str, device: str, n_gpu_layers: int, dtype: str, tensor_parallel: int = 1) -> BenchModel:
+        model = load_bench_model(name, device, n_gpu_layers, dtype, tensor_parallel)
         self.log(f"loaded {model.filename} ({model.model_type}) on {model.device} as {model.dtype} "
                  f"in {model.loaded.load_ms:.0f} ms")
         return model
@@ -188,7 +190,7 @@ def run_bench(params: BenchParams, progress: Progress | None = None) -> list[Res
     progress.start(todo, sum(n_runs(inst.test, params, prompt_sets) for inst in todo))
     build = build_info()
     default_threads = torch.get_num_threads()
-    models = Models(progress.log)
+    models = Models(progress.log, params.tensor_parallel)
     rows: list[Result] = []
     try:
         for i, inst in enumerate(todo):
@@ -283,7 +285,8 @@ def gen_random(ctx: Context, n: int, n_past: int, rng: random.Random, bos: int |
 
 def run_random(model: BenchModel, inst: Instance, head: dict, params: BenchParams, progress: Progress) -> Result:
     t = inst.test
-    ctx = Context(model.loaded, max(1, t.n_prompt + t.n_gen + t.n_depth), 1, inst.n_batch, inst.n_ubatch)
+    n_ctx = max(1, t.n_prompt + t.n_gen + t.n_depth)
+    ctx = context_class(model.loaded)(model.loaded, n_ctx, 1, inst.n_batch, inst.n_ubatch)
     rng = random.Random(SEED)
     bos = model.tokenizer.bos_id if model.tokenizer.add_bos else None
     sync = _sync_for(model)
@@ -316,7 +319,7 @@ def run_random(model: BenchModel, inst: Instance, head: dict, params: BenchParam
 def run_verify(model: BenchModel, inst: Instance, head: dict, params: BenchParams,
                progress: Progress) -> list[Result]:
     t = inst.test
-    ctx = Context(model.loaded, t.n_depth + t.verify_k, 1, inst.n_batch, inst.n_ubatch)
+    ctx = context_class(model.loaded)(model.loaded, t.n_depth + t.verify_k, 1, inst.n_batch, inst.n_ubatch)
     if t.verify_k > ctx.n_batch:
         raise SpecCliError(f"--verify-cost {t.verify_k} exceeds the batch size {ctx.n_batch} (-b)")
     rng = random.Random(SEED)

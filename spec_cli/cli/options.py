@@ -129,7 +129,7 @@ def warn_cpu_layers(flag: str, values: list[int], device: str, which: str) -> No
 def engine_options(opts: dict, n_seq: int = 1, speculative: bool = False) -> EngineOptions:
     """The engine's options from a command's flags; `speculative`: the command exists to speculate (see
     registry_defaults)."""
-    for o in (OPTIONS["ctx_size"], OPTIONS["batch_size"], OPTIONS["ubatch_size"]):
+    for o in (OPTIONS["ctx_size"], OPTIONS["batch_size"], OPTIONS["ubatch_size"], OPTIONS["tensor_parallel"]):
         if not o.within(opts[o.name]):
             raise UsageError(f"{o.flags[0]} must be positive")
     spec = spec_params(opts) if "spec_type" in opts else SpecParams()
@@ -142,7 +142,8 @@ def engine_options(opts: dict, n_seq: int = 1, speculative: bool = False) -> Eng
         model=fetch_model(opts["model"]), model_draft=fetch_model(draft) if draft else None, n_ctx=opts["ctx_size"],
         n_batch=opts["batch_size"], n_ubatch=opts["ubatch_size"], n_seq=n_seq, threads=opts["threads"],
         device=opts["device"], n_gpu_layers=n_gpu_layers, device_draft=opts.get("device_draft"),
-        n_gpu_layers_draft=n_gpu_layers_draft, dtype=opts["dtype"], spec=spec,
+        n_gpu_layers_draft=n_gpu_layers_draft, dtype=opts["dtype"], tensor_parallel=opts["tensor_parallel"],
+        spec=spec,
     )
 
 
