@@ -85,8 +85,9 @@ def start(world: int, follower, threads: int) -> Group:
 def join(rank: int, world: int, store: dist.Store | None = None) -> None:
     """Enter the group as `rank`: through `store` (a local launch) or torchrun's env:// variables."""
     global _group
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if local_rank < torch.cuda.device_count():  # (CPU ranks beyond the GPUs of a machine never touch NCCL)
+        torch.cuda.set_device(local_rank)
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     try:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=TIMEOUT)
