@@ -122,7 +122,8 @@ def tiny_registry(tmp_path, monkeypatch, tiny_model_path, tiny_draft_path):
 
 def test_speculative_simple_applies_the_models_toml_defaults(capsys, monkeypatch, tiny_registry):
     """No flags on the default model: its default_spec_type with its listed draft (not a plain run, #25345)."""
-    base = ["-p", PROMPT, "-n", "12", "--temp", "0", "--draft-p-min", "0", "--json"]
+    # a fixed draft length: under the default auto the planner's timings decide how much is drafted
+    base = ["-p", PROMPT, "-n", "12", "--temp", "0", "--draft-p-min", "0", "--draft-max", "4", "--json"]
     code, out, err = cli(capsys, monkeypatch, "speculative-simple", *base)
     assert code == 0, err
     spec = json.loads(out)
