@@ -304,9 +304,7 @@ class Planner:
         for name in names:
             k = self._uniform_length(name, n_seq)
             if k > 0:  # worth asking: should it fall back to 0, its probes start over at the shortest gap
-                gap = self._probe_gap_min(name)
-                self.next_probe[name] = self.step + gap
-                self.probe_gap[name] = min(2 * gap, PROBE_GAP_MAX)
+                self._schedule_probe(name, self._probe_gap_min(name))
             elif self._probe_due(name):
                 k = 1
                 self.probing.add(name)
@@ -367,10 +365,13 @@ class Planner:
     def _probe_due(self, name: str) -> bool:
         if self.step < self.next_probe.get(name, 0):
             return False
-        gap = self.probe_gap.get(name, self._probe_gap_min(name))
+        self._schedule_probe(name, self.probe_gap.get(name, self._probe_gap_min(name)))
+        return True
+
+    def _schedule_probe(self, name: str, gap: int) -> None:
+        """The next probe of `name` `gap` steps from now, the one after it at twice the gap (up to PROBE_GAP_MAX)."""
         self.next_probe[name] = self.step + gap
         self.probe_gap[name] = min(2 * gap, PROBE_GAP_MAX)
-        return True
 
     def _probe_gap_min(self, name: str) -> int:
         """The fewest steps between probes that keep a probe's price within PROBE_BUDGET of the steps' time, at
