@@ -34,9 +34,10 @@ import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch 
 import torch
 
 from spec_cli.bench.prompts import load_prompt_set, render_tokens
-from spec_cli.engine import Engine, EngineOptions, build_chain, build_engine
+from spec_cli.engine import EngineOptions
 from spec_cli.models import resolve_model
 from spec_cli.sampling import SamplingParams
+from spec_cli.session import Session, open_session
 from spec_cli.speculative.adaptive import draft_bound, parse_draft_max
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.chain import parse_spec_types
@@ -80,14 +81,12 @@ class Config:
         return sum(st.n_acc_tokens for st in stats) / drafted if drafted else None
 
 
-def spec_cli_runner(engine: Engine, types: list[str], draft_max, n_gen: int) -> Callable[[list[int]], Run]:
+def spec_cli_runner(base: Session, types: list[str], draft_max, n_gen: int) -> Callable[[list[int]], Run]:
+    bound, adaptive = draft_bound(draft_max)
+
     def run(prompt: list[int]) -> Run:
-        engine.spec.types = types
-        engine.spec.draft_max, engine.spec.adaptive = draft_bound(draft_max)
-        engine.reset()
-        engine.chain = build_chain(engine) if types else None  # cold n-gram state for every prompt
-        engine.ctx.capture_hidden = "draft-mtp" in types  # only MTP reads the target's hidden states
-        gen = engine.generator()
+        session = base.renew(types=types, draft_max=bound, adaptive=adaptive)  # cold n-gram state for every prompt
+        gen = session.generator()
         gen.start(0, prompt, SamplingParams(temp=0.0), n_gen)
         s, t0 = gen.active[0], time.perf_counter()
         n_first = s.n_generated
@@ -95,7 +94,7 @@ def spec_cli_runner(engine: Engine, types: list[str], draft_max, n_gen: int) -> 
             gen.step()
         seconds = time.perf_counter() - t0
         gen.finish(0)
-        return Run(s.n_generated - n_first, seconds, dict(engine.chain.stats) if engine.chain else {})
+        return Run(s.n_generated - n_first, seconds, dict(session.stats))
 
     return run
 
@@ -162,13 +161,14 @@ def main() -> None:
     specs = [parse_spec(s) for s in (args.spec or DEFAULT_SPECS)]
     specs = [(t, dm) for t, dm in specs if draft_path or "draft-simple" not in t]
     every_type = sorted({t for types, _ in specs for t in types})  # the engine loads what any configuration needs
-    engine = build_engine(EngineOptions(model=model_path, model_draft=draft_path, n_ctx=4096, threads=args.threads,
-                                        spec=SpecParams(types=every_type)))
+    session = open_session(EngineOptions(model=model_path, model_draft=draft_path, n_ctx=4096, threads=args.threads,
+                                         spec=SpecParams(types=every_type)))
+    engine = session.engine
     prompt_set = load_prompt_set(args.prompts)
     prompts = [render_tokens(p, engine.tokenizer) for p in prompt_set.prompts[: args.n_prompts or None]]
 
-    configs = [Config("spec-cli", "plain", spec_cli_runner(engine, [], 0, args.n_gen))]
-    configs += [Config("spec-cli", f"{','.join(t)} draft-max {dm}", spec_cli_runner(engine, t, dm, args.n_gen))
+    configs = [Config("spec-cli", "plain", spec_cli_runner(session, [], 0, args.n_gen))]
+    configs += [Config("spec-cli", f"{','.join(t)} draft-max {dm}", spec_cli_runner(session, t, dm, args.n_gen))
                 for t, dm in specs]
     has_llama_cpp = importlib.util.find_spec("llama_cpp") is not None
     if has_llama_cpp and not args.no_llama_cpp:

@@ -34,9 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spec_cli.batch import Batch  # noqa: E402
 from spec_cli.bench.verify_cost import break_even_acceptance  # noqa: E402
-from spec_cli.engine import EngineOptions, build_engine  # noqa: E402
+from spec_cli.engine import EngineOptions  # noqa: E402
 from spec_cli.generate import generate  # noqa: E402
 from spec_cli.sampling import SamplingParams  # noqa: E402
+from spec_cli.session import Session, open_session  # noqa: E402
 from spec_cli.speculative.adaptive import time_forwards  # noqa: E402
 
 MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
@@ -48,7 +49,7 @@ REPORT_K = (1, 2, 4, 8, 16)
 
 
 def load(model: str, dtype: str, threads: int, n_ctx: int):
-    return build_engine(EngineOptions(model=model, dtype=dtype, device="cpu", threads=threads, n_ctx=n_ctx))
+    return open_session(EngineOptions(model=model, dtype=dtype, device="cpu", threads=threads, n_ctx=n_ctx))
 
 
 def load_ms_fresh_process(model: str, dtype: str, threads: int) -> float:
@@ -60,21 +61,22 @@ def load_ms_fresh_process(model: str, dtype: str, threads: int) -> float:
     return float(out.stdout.split()[-1])
 
 
-def generation_tps(engine, n_gen: int) -> float:
-    engine.reset()
-    gen = engine.generator()
-    prompt = engine.tokenizer.encode(PROMPT, add_special=True, parse_special=False)
+def generation_tps(session: Session, n_gen: int) -> float:
+    session.reset()
+    gen = session.generator()
+    prompt = session.engine.tokenizer.encode(PROMPT, add_special=True, parse_special=False)
     generate(gen, prompt, SamplingParams(temp=0.0, ignore_eos=True), n_gen)
     return gen.timings.n_gen / (gen.timings.t_gen_ms / 1000)
 
 
-def prefill(engine, depth: int) -> None:
-    engine.reset()
+def prefill(session: Session, depth: int) -> None:
+    session.reset()
+    ctx = session.engine.ctx
     rng = random.Random(0)
     batch = Batch()
     for i in range(depth):
-        batch.add(rng.randrange(engine.ctx.config.n_vocab), i, 0, i == depth - 1)
-    engine.ctx.decode(batch)
+        batch.add(rng.randrange(ctx.config.n_vocab), i, 0, i == depth - 1)
+    ctx.decode(batch)
 
 
 def measure_model(model: str, args) -> dict:
@@ -83,24 +85,24 @@ def measure_model(model: str, args) -> dict:
     for _ in range(args.load_reps):
         for d in dtypes:
             loads[d].append(load_ms_fresh_process(model, d, args.threads))
-    engines = {d: load(model, d, args.threads, max(args.depth + 32, 512)) for d in dtypes}
+    sessions = {d: load(model, d, args.threads, max(args.depth + 32, 512)) for d in dtypes}
     tps: dict[str, list[float]] = {d: [] for d in dtypes}
     for d in dtypes:
-        generation_tps(engines[d], 8)  # warm-up
+        generation_tps(sessions[d], 8)  # warm-up
     for _ in range(args.reps):
         for d in dtypes:
-            tps[d].append(generation_tps(engines[d], args.n_gen))
+            tps[d].append(generation_tps(sessions[d], args.n_gen))
     result = {"model": model, "dtypes": {}}
     verify: dict[str, dict[int, list[int]]] = {}
     if model in args.verify_models:
         rng = random.Random(1)
         for d in dtypes:
-            prefill(engines[d], args.depth)
+            prefill(sessions[d], args.depth)
             verify[d] = {k: [] for k in range(1, args.k_max + 1)}
-            time_forwards(engines[d].ctx, 0, range(1, args.k_max + 1), 1, rng, lambda: None)  # warm-up
+            time_forwards(sessions[d].engine.ctx, 0, range(1, args.k_max + 1), 1, rng, lambda: None)  # warm-up
         for _ in range(args.reps):
             for d in dtypes:
-                for k, ns in time_forwards(engines[d].ctx, 0, range(1, args.k_max + 1), 1, rng, lambda: None).items():
+                for k, ns in time_forwards(sessions[d].engine.ctx, 0, range(1, args.k_max + 1), 1, rng, lambda: None).items():
                     verify[d][k] += ns
     for d in dtypes:
         entry = {"load_ms": loads[d], "load_ms_median": statistics.median(loads[d]), "tg_tps": tps[d],
@@ -111,7 +113,7 @@ def measure_model(model: str, args) -> dict:
             entry["verify_curve"] = [{"k": k, "median_ms": med[k] / 1e6, "cost_ratio": med[k] / med[1],
                                       "break_even_acc": break_even_acceptance(med[k] / med[1], k)} for k in med]
         result["dtypes"][d] = entry
-    engines.clear()
+    sessions.clear()
     gc.collect()
     return result
 

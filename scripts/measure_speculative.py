@@ -27,10 +27,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spec_cli.bench.prompts import load_prompt_set, render_tokens  # noqa: E402
-from spec_cli.engine import Engine, EngineOptions, build_chain, build_engine  # noqa: E402
+from spec_cli.engine import Engine, EngineOptions  # noqa: E402
 from spec_cli.generate import generate  # noqa: E402
 from spec_cli.models import resolve_model  # noqa: E402
 from spec_cli.sampling import SamplingParams  # noqa: E402
+from spec_cli.session import Session, open_session  # noqa: E402
 from spec_cli.speculative.adaptive import AUTO, draft_bound  # noqa: E402
 from spec_cli.speculative.base import SpecParams  # noqa: E402
 
@@ -57,23 +58,22 @@ def load_prompts(engine: Engine, prompt_set: str | None) -> list[list[int]]:
     return [case["prompt_ids"]]
 
 
-def calibrate(engine: Engine, prompt: list[int]) -> float:
+def calibrate(session: Session, prompt: list[int]) -> float:
     """The shared verify-cost calibration of the auto runs, outside the timed rounds; returns its seconds."""
-    engine.reset()
-    gen = engine.generator()
+    session.reset()
+    gen = session.generator()
     gen.start(0, prompt, GREEDY, 1)
     t0 = time.perf_counter()
-    engine.costs.calibrate(engine.ctx, 0)
+    session.engine.costs.calibrate(session.engine.ctx, 0)
     return time.perf_counter() - t0
 
 
-def run_config(engine: Engine, prompts: list[list[int]], n: int) -> dict:
-    """Every prompt once, cold (fresh drafters and planner); generation time excludes the prefills."""
-    engine.reset()
-    engine.chain = build_chain(engine)
+def run_config(session: Session, prompts: list[list[int]], n: int) -> dict:
+    """Every prompt once on `session`, a cold one (fresh drafters and planner); generation time excludes the
+    prefills."""
     totals = dict(tokens=0, gen_s=0.0, n_drafted=0, n_accepted=0, steps=0, draft_ms=0.0, verify_ms=0.0)
     for prompt in prompts:
-        gen = engine.generator()
+        gen = session.generator()
         t0 = time.perf_counter()
         seq = generate(gen, prompt, GREEDY, n)
         totals["gen_s"] += time.perf_counter() - t0 - gen.timings.t_prompt_ms / 1000
@@ -101,11 +101,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with_draft = not args.no_draft
     spec = SpecParams(types=["draft-simple"] if with_draft else [], draft_p_min=0.75)
-    engine = build_engine(EngineOptions(model=str(resolve_model(args.target)),
-                                        model_draft=str(resolve_model(args.draft)) if with_draft else None,
-                                        n_ctx=4096, dtype=args.dtype, spec=spec))
+    session = open_session(EngineOptions(model=str(resolve_model(args.target)),
+                                         model_draft=str(resolve_model(args.draft)) if with_draft else None,
+                                         n_ctx=4096, dtype=args.dtype, spec=spec))
+    engine = session.engine
     prompts = load_prompts(engine, args.prompt_set)
-    calibration_s = calibrate(engine, prompts[0])
+    calibration_s = calibrate(session, prompts[0])
     curve = " ".join(f"{k}:{engine.costs(k) / engine.costs(1):.2f}" for k in engine.costs.rows)
     print(f"calibration {calibration_s:.2f} s at depth {len(prompts[0])}; cost(k)/cost(1) {curve}", flush=True)
     chosen = [c for c in configs(with_draft)
@@ -113,9 +114,9 @@ def main() -> None:
     results: dict[str, list[dict]] = {}
     for rnd in range(args.rounds):
         for name, types, draft_max in chosen:
-            engine.spec.types = types
-            engine.spec.draft_max, engine.spec.adaptive = draft_bound(draft_max)
-            r = run_config(engine, prompts, args.n)
+            bound, adaptive = draft_bound(draft_max)
+            session = session.renew(types=types, draft_max=bound, adaptive=adaptive)
+            r = run_config(session, prompts, args.n)
             results.setdefault(name, []).append(r)
             print(f"round {rnd} {name:26s} {r['tok_s']:7.2f} tok/s", flush=True)
     plain = [r["tok_s"] for r in results["plain"]]

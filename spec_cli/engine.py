@@ -1,27 +1,25 @@
-"""Wiring: model files + options -> target context, tokenizer, draft context and drafter chain.
+"""Wiring: model files + options -> the loaded Engine (target context, tokenizer, draft and MTP contexts).
 
 Every command builds its engine here, so `run`, `speculative-simple`, `lookup`, `bench` and `server` get the
-same objects from the same flags.
+same objects from the same flags. The engine is what loading produced and nothing else: what to speculate with
+(the drafter chain, the planner, their statistics) lives in a `session.Session` opened on it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from spec_cli.context import Context
 from spec_cli.errors import SpecCliError, UsageError
-from spec_cli.generate import Generator
 from spec_cli.loader import LoadedModel, load_model
 from spec_cli.options import DEFAULT_GPU_LAYERS, default
-from spec_cli.speculative.adaptive import CostModel, Planner
+from spec_cli.speculative.adaptive import CostModel
 from spec_cli.speculative.base import SpecParams
-from spec_cli.speculative.chain import Chain
 from spec_cli.mtp import MTPContext, load_mtp_head
 from spec_cli.speculative.draft_model import check_vocab_compatible
-from spec_cli.speculative.registry import DrafterInputs, build_drafters
 from spec_cli.tokenizer import Tokenizer
 
 
@@ -43,13 +41,13 @@ class EngineOptions:
     spec: SpecParams = field(default_factory=SpecParams)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Engine:
+    """The loaded models and their contexts. Sessions drive the contexts' caches; nothing rewires the engine."""
+
     target: LoadedModel
     tokenizer: Tokenizer
     ctx: Context
-    chain: Chain | None
-    spec: SpecParams
     draft: LoadedModel | None = None
     draft_ctx: Context | None = None
     mtp_ctx: Context | None = None  # the target's NextN head with its own KV (draft-mtp)
@@ -59,16 +57,10 @@ class Engine:
     def eog_ids(self) -> set[int]:
         return set(self.tokenizer.eog_ids)
 
-    def generator(self) -> Generator:
-        planner = self.chain.planner if self.chain is not None else None
-        return Generator(self.ctx, self.eog_ids, self.chain, self.spec.draft_max, self.spec.verify, planner)
-
-    def reset(self) -> None:
-        """Empty every KV cache (a fresh run; n-gram state is reset per request by `begin`)."""
-        self.ctx.clear()
-        for ctx in (self.draft_ctx, self.mtp_ctx):
-            if ctx is not None:
-                ctx.clear()
+    @property
+    def contexts(self) -> list[Context]:
+        """Every KV cache the engine holds."""
+        return [ctx for ctx in (self.ctx, self.draft_ctx, self.mtp_ctx) if ctx is not None]
 
 
 def resolve(value: str | None) -> Path:
@@ -84,21 +76,28 @@ def verify_cost_cache() -> Path:
     return cache_dir() / "verify-cost.json"
 
 
+def implied_spec(opts: EngineOptions) -> SpecParams:
+    """The speculation settings the options amount to: -md alone enables draft-simple (llama.cpp #25345)."""
+    spec = opts.spec
+    if opts.model_draft and "draft-simple" not in spec.types:
+        spec = replace(spec, types=[*spec.types, "draft-simple"])
+    if "draft-simple" in spec.types and not opts.model_draft:
+        raise UsageError("--spec-type draft-simple needs a draft model (-md FILE|NAME)")
+    return spec
+
+
 def build_engine(opts: EngineOptions) -> Engine:
-    """Load the models the options name, then assemble the engine around them."""
+    """Load the models the options name (the draft model and MTP head only where the spec types use them), then
+    assemble the engine around them."""
     if opts.threads:
         if opts.threads < 1:
             raise UsageError("--threads must be at least 1")
         torch.set_num_threads(opts.threads)
-    spec = opts.spec
-    if opts.model_draft and "draft-simple" not in spec.types:
-        spec.types = [t for t in spec.types] + ["draft-simple"]  # -md alone enables draft-simple (#25345)
-    if "draft-simple" in spec.types and not opts.model_draft:
-        raise UsageError("--spec-type draft-simple needs a draft model (-md FILE|NAME)")
+    opts = replace(opts, spec=implied_spec(opts))
     target = load_target(opts)
     tokenizer = Tokenizer.from_metadata(target.gguf.metadata)
     draft = None
-    if "draft-simple" in spec.types:
+    if "draft-simple" in opts.spec.types:
         draft = load_model(resolve(opts.model_draft), opts.device_draft or opts.device, opts.n_gpu_layers_draft,
                            opts.dtype)
         check_vocab_compatible(tokenizer, Tokenizer.from_metadata(draft.gguf.metadata))
@@ -121,22 +120,20 @@ def load_target(opts: EngineOptions) -> LoadedModel:
 
 def assemble_engine(opts: EngineOptions, target: LoadedModel, tokenizer: Tokenizer,
                     draft: LoadedModel | None) -> Engine:
-    """Contexts, the MTP head and the drafter chain around loaded models (`draft` when the types hold
-    draft-simple). Separate from loading because bench keeps its models loaded across tests."""
-    spec = opts.spec
+    """Contexts and, for draft-mtp, the MTP head around loaded models (`draft` when the types hold draft-simple).
+    Separate from loading because bench keeps its models loaded across tests."""
     n_ctx = opts.n_ctx if opts.n_ctx > 0 else target.config.n_ctx_train
     ctx = context_class(target)(target, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
     # the draft context has the target's n_ctx (a smaller one crashed llama.cpp, #22554)
     draft_ctx = Context(draft, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch) if draft else None
-    engine = Engine(target, tokenizer, ctx, None, spec, draft, draft_ctx, costs=CostModel(verify_cost_cache()))
-    if "draft-mtp" in spec.types:
+    mtp_ctx = None
+    if "draft-mtp" in opts.spec.types:
         head = load_mtp_head(target)
         if head is None:
             raise SpecCliError("--spec-type draft-mtp needs a model with an MTP (NextN) head; this model has none "
                                "(spec-cli mtp-train can distill one)")
-        engine.mtp_ctx = MTPContext(head, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
-    engine.chain = build_chain(engine)
-    return engine
+        mtp_ctx = MTPContext(head, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
+    return Engine(target, tokenizer, ctx, draft, draft_ctx, mtp_ctx, CostModel(verify_cost_cache()))
 
 
 def context_class(loaded: LoadedModel) -> type[Context]:
@@ -146,13 +143,3 @@ def context_class(loaded: LoadedModel) -> type[Context]:
     from spec_cli.tensor_parallel import ShardedContext
 
     return ShardedContext
-
-
-def build_chain(engine: Engine) -> Chain | None:
-    """Fresh drafters (empty n-gram state, cleared draft caches) for the engine's spec types, in the registry's
-    priority order; with --draft-max auto, a fresh planner for them on the engine's cost model."""
-    spec, n_seq = engine.spec, engine.ctx.n_seq
-    drafters = build_drafters(spec.types, DrafterInputs(spec, n_seq, engine.ctx, engine.draft_ctx, engine.mtp_ctx))
-    if not drafters:
-        return None
-    return Chain(drafters, n_seq, Planner(engine.costs, spec.draft_max) if spec.adaptive else None, spec.select)

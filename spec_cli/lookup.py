@@ -2,22 +2,23 @@
 cache of `spec_cli.speculative.ngram_cache`: a tokenizer without weights, cache files, llama-lookup's figures
 (the counting and replay on plain token lists are in lookup_offline.py).
 
-`lookup` itself generates through the shared Generator with the chain ["ngram-cache"]; this module attaches that
-chain (timing the cache loading as llama-lookup's t_draft_flat) and saves the dynamic cache afterwards.
+`lookup` itself generates through the shared Generator with the chain ["ngram-cache"]; this module opens the session
+of that chain (timing the cache loading as llama-lookup's t_draft_flat) and saves the dynamic cache afterwards.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
-from spec_cli.engine import Engine, build_chain, resolve
+from spec_cli.engine import Engine, resolve
 from spec_cli.errors import SpecCliError, UsageError
 from spec_cli.generate import Sequence
 from spec_cli.gguf_file import GGUFFile
 from spec_cli.lookup_offline import lookup_stats
-from spec_cli.speculative.adaptive import AUTO
-from spec_cli.speculative.base import DraftParams
+from spec_cli.session import Session
+from spec_cli.speculative.base import DraftParams, SpecParams
 from spec_cli.speculative.ngram_cache import NgramCacheDrafter
 from spec_cli.speculative.ngram_cache_file import NgramCache, load_cache, merge_caches
 from spec_cli.tokenizer import Tokenizer
@@ -59,28 +60,27 @@ def load_dynamic_cache(path: str | None) -> NgramCache:
 # --- lookup
 
 
-def attach_lookup_chain(engine: Engine, n_draft: int) -> float:
-    """Give `engine` the chain ["ngram-cache"] drafting `n_draft` tokens per step; returns the ms spent loading
-    the static and dynamic caches (part of llama-lookup's t_draft_flat).
+def open_lookup_session(engine: Engine, spec: SpecParams, n_draft: int) -> tuple[Session, float]:
+    """A session on `engine` with the chain ["ngram-cache"] drafting `n_draft` tokens per step (`spec` names the
+    cache files); returns it and the ms spent loading the static and dynamic caches (part of llama-lookup's
+    t_draft_flat).
 
     The engine is built without spec types so that this load happens here, once, under the timer.
     """
-    engine.spec.types = ["ngram-cache"]
-    engine.spec.draft_max = n_draft
     t0 = time.perf_counter()
-    engine.chain = build_chain(engine)
+    session = Session(engine, replace(spec, types=["ngram-cache"], draft_max=n_draft))
     t_load_ms = (time.perf_counter() - t0) * 1e3
-    lookup_drafter(engine).n_draft = n_draft
-    return t_load_ms
+    lookup_drafter(session).n_draft = n_draft
+    return session, t_load_ms
 
 
-def lookup_drafter(engine: Engine) -> NgramCacheDrafter:
-    return engine.chain.drafters[0]
+def lookup_drafter(session: Session) -> NgramCacheDrafter:
+    return session.chain.drafters[0]
 
 
-def save_dynamic_cache(engine: Engine, s: Sequence) -> None:
+def save_dynamic_cache(session: Session, s: Sequence) -> None:
     """End of llama-lookup: context cache (every token of the text) merged into the dynamic cache, saved to -lcd."""
-    drafter = lookup_drafter(engine)
+    drafter = lookup_drafter(session)
     # The drafter indexes the history when asked for a draft; the last step's tokens came after the last
     # draft call, so ask once more with no room to draft (outside the chain: not counted as a draft call).
     drafter.draft([DraftParams(s.seq, 0, s.n_past, s.id_last, s.tokens)])
@@ -103,12 +103,11 @@ def draft_figures(n_draft: int, n_predict: int, n_drafted: int, n_accept: int, t
     }
 
 
-def lookup_figures(engine: Engine, s: Sequence, t_load_ms: float) -> dict:
+def lookup_figures(session: Session, s: Sequence, t_load_ms: float) -> dict:
     """The figures of one `lookup` run. t_draft_flat = cache loading + indexing the prompt (the chain's begin);
     t_draft = the drafter's draft calls, which also index each accepted token, as llama-lookup times them."""
-    st = engine.chain.stats["ngram-cache"]
-    n_draft = AUTO if engine.spec.adaptive else lookup_drafter(engine).n_draft
-    return draft_figures(n_draft, s.n_generated, s.n_drafted, s.n_accepted,
+    st = session.stats["ngram-cache"]
+    return draft_figures(session.n_draft, s.n_generated, s.n_drafted, s.n_accepted,
                          t_load_ms + st.t_begin_us / 1e3, st.t_draft_us / 1e3)
 
 

@@ -1,4 +1,4 @@
-"""A real uvicorn server on a free loopback port, run in a thread around a tiny-model engine, and the
+"""A real uvicorn server on a free loopback port, run in a thread around a tiny-model session, and the
 single-request greedy outputs the server's answers are compared with."""
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ import time
 
 import uvicorn
 
-from spec_cli.engine import EngineOptions, build_engine
+from spec_cli.engine import EngineOptions
 from spec_cli.generate import generate
 from spec_cli.sampling import SamplingParams
 from spec_cli.server import ServerSettings, create_app
 from spec_cli.server.serve import GRACE_SECONDS, Server
+from spec_cli.session import open_session
 from spec_cli.speculative.base import SpecParams
 
 N_CTX_SLOT = 256
@@ -34,39 +35,39 @@ PROMPTS = [
 ]
 
 
-def make_engine(model, n_seq: int = 1, spec_types: str = "", draft=None, n_ctx_slot: int = N_CTX_SLOT,
-                draft_max: int = 6):
+def make_session(model, n_seq: int = 1, spec_types: str = "", draft=None, n_ctx_slot: int = N_CTX_SLOT,
+                 draft_max: int = 6):
     spec = SpecParams(types=[t for t in spec_types.split(",") if t], draft_max=draft_max, draft_p_min=0.0,
                       **SMALL_NGRAM)
-    return build_engine(EngineOptions(model=str(model), model_draft=str(draft) if draft else None,
+    return open_session(EngineOptions(model=str(model), model_draft=str(draft) if draft else None,
                                       n_ctx=n_ctx_slot * n_seq, n_seq=n_seq, device="cpu", spec=spec))
 
 
 def greedy_reference(model, prompts: list[str], n_predict: int) -> dict[str, list[int]]:
-    """Each prompt generated alone on a fresh single-sequence engine without speculation."""
-    engine = make_engine(model)
+    """Each prompt generated alone on a fresh single-sequence session without speculation."""
+    session = make_session(model)
     out = {}
     for text in prompts:
-        engine.reset()
-        tokens = engine.tokenizer.encode(text, add_special=True, parse_special=True)
+        session.reset()
+        tokens = session.engine.tokenizer.encode(text, add_special=True, parse_special=True)
         got: list[int] = []
-        generate(engine.generator(), tokens, GREEDY, n_predict, on_emit=lambda e: got.extend(e.tokens))
+        generate(session.generator(), tokens, GREEDY, n_predict, on_emit=lambda e: got.extend(e.tokens))
         out[text] = got
     return out
 
 
 class LiveServer:
-    """`with LiveServer(engine, settings) as srv:` serves create_app(engine, settings) at srv.url; leaving the
+    """`with LiveServer(session, settings) as srv:` serves create_app(session, settings) at srv.url; leaving the
     block shuts it down as SIGTERM would."""
 
-    def __init__(self, engine, settings: ServerSettings | None = None, grace: float = GRACE_SECONDS):
-        self.engine = engine
+    def __init__(self, session, settings: ServerSettings | None = None, grace: float = GRACE_SECONDS):
+        self.session = session
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.app = create_app(engine, settings)
+        self.app = create_app(session, settings)
         config = uvicorn.Config(self.app, log_level="warning", lifespan="on")
         self.server = Server(config, grace)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)

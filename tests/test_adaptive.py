@@ -32,7 +32,7 @@ from tests.test_generate import (  # noqa: F401 (plain_outputs is a fixture)
     N_PREDICT,
     PROMPTS,
     assert_greedy_equals_plain,
-    make_engine,
+    make_session,
     plain_outputs,
     run,
 )
@@ -124,17 +124,17 @@ def test_draft_cost_is_seconds_per_produced_token():
 
 
 def test_calibration_is_cheap_and_leaves_the_kv_cache_as_it_was(tiny_model_path):
-    engine = make_engine(tiny_model_path, n_seq=2)
-    ctx: Context = engine.ctx
+    session = make_session(tiny_model_path, n_seq=2)
+    ctx: Context = session.engine.ctx
     batch = Batch()
     for i, tok in enumerate(PROMPTS[0]):
         batch.add(tok, i, 1, i == len(PROMPTS[0]) - 1)
     before = ctx.decode(batch).logits
     t0 = time.perf_counter()
-    engine.costs.calibrate(ctx, 1)
+    session.engine.costs.calibrate(ctx, 1)
     elapsed = time.perf_counter() - t0
     assert ctx.lengths == [0, len(PROMPTS[0])]
-    assert engine.costs.rows == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]  # several sequences: wider batches too
+    assert session.engine.costs.rows == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]  # several sequences: wider batches too
     assert elapsed < 2.0  # ~0.1 s when the machine is idle
     ctx.seq_rm(1, len(PROMPTS[0]) - 1)
     again = Batch()
@@ -149,13 +149,13 @@ def test_calibration_is_cached_per_model_and_settings(tiny_model_path, tmp_path,
     monkeypatch.setattr("spec_cli.engine.verify_cost_cache", lambda: cache)
 
     def calibrated(n_seq: int):
-        engine = make_engine(tiny_model_path, n_seq=n_seq)
+        session = make_session(tiny_model_path, n_seq=n_seq)
         batch = Batch()
         for i, tok in enumerate(PROMPTS[0]):
             batch.add(tok, i, 0, False)
-        engine.ctx.decode(batch)
-        engine.costs.calibrate(engine.ctx, 0)
-        return engine.costs
+        session.engine.ctx.decode(batch)
+        session.engine.costs.calibrate(session.engine.ctx, 0)
+        return session.engine.costs
 
     first = calibrated(1)
     assert len(json.loads(cache.read_text())) == 1
@@ -308,8 +308,8 @@ def tiled_costs(monkeypatch):
 
     monkeypatch.setattr(Chain, "cut", counting)
 
-    def install(engine, capped=True):
-        engine.costs.set_points({1: 1.0, 4: 1.05, 5: 1.6, 8: 1.7, 9: 2.3, 16: 2.5, 64: 16.0})
+    def install(session, capped=True):
+        session.engine.costs.set_points({1: 1.0, 4: 1.05, 5: 1.6, 8: 1.7, 9: 2.3, 16: 2.5, 64: 16.0})
         if not capped:
             monkeypatch.setattr(Planner, "drafting_caps", lambda self, names, n_seq: {})
         return cuts
@@ -317,14 +317,14 @@ def tiled_costs(monkeypatch):
     return install
 
 
-def auto_engine(model, chain, draft, n_seq=1):
-    return make_engine(model, chain, draft=draft, n_seq=n_seq, draft_max=AUTO_DRAFT_MAX, adaptive=True)
+def auto_session(model, chain, draft, n_seq=1):
+    return make_session(model, chain, draft=draft, n_seq=n_seq, draft_max=AUTO_DRAFT_MAX, adaptive=True)
 
 
-def run_together(engine, prompts) -> list[list[int]]:
+def run_together(session, prompts) -> list[list[int]]:
     """Greedy outputs of all prompts generated at once, one sequence each."""
-    engine.reset()
-    gen = engine.generator()
+    session.reset()
+    gen = session.generator()
     outs = {seq: gen.start(seq, prompt, GREEDY, N_PREDICT).tokens for seq, prompt in enumerate(prompts)}
     while emitted := gen.step():
         for e in emitted:
@@ -336,19 +336,19 @@ def run_together(engine, prompts) -> list[list[int]]:
 @pytest.mark.parametrize("chain", CHAINS)
 def test_greedy_auto_equals_plain_one_sequence(tiny_model_path, tiny_close_draft_path, plain_outputs, tiled_costs,
                                                chain, capped):
-    engine = auto_engine(tiny_model_path, chain, tiny_close_draft_path)
-    cuts = tiled_costs(engine, capped)
-    assert_greedy_equals_plain(engine, plain_outputs)
+    session = auto_session(tiny_model_path, chain, tiny_close_draft_path)
+    cuts = tiled_costs(session, capped)
+    assert_greedy_equals_plain(session, plain_outputs)
     assert capped or any(0 < n < full for full, n in cuts), "no draft was cut to a shorter length"
 
 
 @pytest.mark.parametrize("chain", CHAINS)
 def test_greedy_auto_equals_plain_four_sequences(tiny_model_path, tiny_close_draft_path, plain_outputs, tiled_costs,
                                                  chain):
-    engine = auto_engine(tiny_model_path, chain, tiny_close_draft_path, n_seq=4)
-    cuts = tiled_costs(engine)
-    assert run_together(engine, PROMPTS) == plain_outputs
-    assert sum(st.n_acc_tokens for st in engine.chain.stats.values()) > 0
+    session = auto_session(tiny_model_path, chain, tiny_close_draft_path, n_seq=4)
+    cuts = tiled_costs(session)
+    assert run_together(session, PROMPTS) == plain_outputs
+    assert sum(st.n_acc_tokens for st in session.chain.stats.values()) > 0
     assert cuts
 
 
@@ -362,42 +362,42 @@ def mtp_path(tmp_path_factory):
 @pytest.mark.parametrize("n_seq, capped", [(1, False), (4, True)])
 @pytest.mark.parametrize("chain", ["draft-mtp", "ngram-mod,draft-mtp"])
 def test_greedy_auto_with_mtp_equals_plain(mtp_path, tiled_costs, chain, n_seq, capped):
-    plain = make_engine(mtp_path)
+    plain = make_session(mtp_path)
     expected = [run_together(plain, [prompt])[0] for prompt in PROMPTS[:n_seq]]
-    engine = make_engine(mtp_path, chain, n_seq=n_seq, draft_max=AUTO_DRAFT_MAX, adaptive=True)
-    tiled_costs(engine, capped)
-    assert run_together(engine, PROMPTS[:n_seq]) == expected
-    stats = engine.chain.stats["draft-mtp"]
+    session = make_session(mtp_path, chain, n_seq=n_seq, draft_max=AUTO_DRAFT_MAX, adaptive=True)
+    tiled_costs(session, capped)
+    assert run_together(session, PROMPTS[:n_seq]) == expected
+    stats = session.chain.stats["draft-mtp"]
     assert stats.n_acc_tokens > 0 and len(stats.n_gen_tokens_per_pos) <= 3  # MTP's own cap is below 16
 
 
 @pytest.mark.parametrize("n_seq", [1, 4])
 def test_auto_with_real_calibration_and_timings_is_lossless(tiny_model_path, tiny_close_draft_path, plain_outputs,
                                                             n_seq):
-    engine = auto_engine(tiny_model_path, "ngram-mod,draft-simple", tiny_close_draft_path, n_seq=n_seq)
+    session = auto_session(tiny_model_path, "ngram-mod,draft-simple", tiny_close_draft_path, n_seq=n_seq)
     for prompt, expected in zip(PROMPTS, plain_outputs):
-        assert run(engine, prompt)[0] == expected
-    assert engine.costs.calibrated and engine.costs.observed
+        assert run(session, prompt)[0] == expected
+    assert session.engine.costs.calibrated and session.engine.costs.observed
     # how much is drafted depends on this machine's timings (a busy machine can make every draft look dear): the
     # drafters were asked, and what was verified stayed within the bound; drafts of every length are lossless in
     # the tiled-cost tests above
-    assert all(st.n_call_draft > 0 for st in engine.chain.stats.values())
-    assert all(st.mean_draft_len <= AUTO_DRAFT_MAX for st in engine.chain.stats.values() if st.n_gen_drafts)
+    assert all(st.n_call_draft > 0 for st in session.chain.stats.values())
+    assert all(st.mean_draft_len <= AUTO_DRAFT_MAX for st in session.chain.stats.values() if st.n_gen_drafts)
 
 
 def test_cut_drafts_keep_rejection_sampling_exact(tiny_model_path, tiny_close_draft_path, tiled_costs):
     """The draft distributions (probs) are cut with their tokens: the output distribution stays the target's."""
     params = dict(temp=1.5, top_k=3, top_p=1.0, min_p=0.0)
-    engine = make_engine(tiny_model_path, "draft-simple", draft=tiny_close_draft_path, verify="rejection",
-                         draft_max=3, adaptive=True)
-    cuts = tiled_costs(engine, capped=False)
-    engine.costs.set_points({1: 1.0, 2: 1.3, 3: 2.2, 4: 3.0})  # one token pays, three rarely
+    session = make_session(tiny_model_path, "draft-simple", draft=tiny_close_draft_path, verify="rejection",
+                          draft_max=3, adaptive=True)
+    cuts = tiled_costs(session, capped=False)
+    session.engine.costs.set_points({1: 1.0, 2: 1.3, 3: 2.2, 4: 3.0})  # one token pays, three rarely
     prompt = PROMPTS[1]
-    exact = exact_two_token_distribution(engine, prompt, SamplingParams(**params))
+    exact = exact_two_token_distribution(session, prompt, SamplingParams(**params))
     n = 600
     counts: Counter = Counter()
     for seed in range(n):
-        out, _ = run(engine, prompt, 4, sampling=SamplingParams(seed=seed, **params))
+        out, _ = run(session, prompt, 4, sampling=SamplingParams(seed=seed, **params))
         counts[tuple(out[:2])] += 1
     tv = 0.5 * sum(abs(counts[k] / n - exact.get(k, 0.0)) for k in set(exact) | set(counts))
     assert tv < 0.12, f"total variation {tv:.3f}"  # as tests/test_generate_sampling.py
@@ -406,13 +406,13 @@ def test_cut_drafts_keep_rejection_sampling_exact(tiny_model_path, tiny_close_dr
 
 def test_a_cut_never_leaves_a_model_draft_shorter_than_draft_min(tiny_model_path, tiny_close_draft_path,
                                                                   plain_outputs, tiled_costs):
-    engine = make_engine(tiny_model_path, "draft-simple", draft=tiny_close_draft_path, draft_max=8, adaptive=True,
-                         draft_min=3)
-    cuts = tiled_costs(engine, capped=False)
+    session = make_session(tiny_model_path, "draft-simple", draft=tiny_close_draft_path, draft_max=8, adaptive=True,
+                          draft_min=3)
+    cuts = tiled_costs(session, capped=False)
     for prompt, expected in zip(PROMPTS, plain_outputs):
-        assert run(engine, prompt)[0] == expected
+        assert run(session, prompt)[0] == expected
     assert any(0 < n < 3 for _, n in cuts)  # the planner asked for drafts below the minimum ...
-    per_pos = engine.chain.stats["draft-simple"].n_gen_tokens_per_pos
+    per_pos = session.chain.stats["draft-simple"].n_gen_tokens_per_pos
     assert per_pos[0] > 0 and per_pos[0] == per_pos[2]  # ... but every verified draft had at least 3 tokens
 
 
@@ -441,11 +441,11 @@ def test_catching_up_a_lagging_cache_is_not_priced_as_drafting():
 def test_per_request_n_max_still_caps_auto(tiny_model_path, plain_outputs, tiled_costs):
     from spec_cli.generate import SpecOverrides
 
-    engine = auto_engine(tiny_model_path, "ngram-simple", None)
-    tiled_costs(engine)
-    out, seq = run(engine, PROMPTS[0], spec=SpecOverrides(n_max=1))
+    session = auto_session(tiny_model_path, "ngram-simple", None)
+    tiled_costs(session)
+    out, seq = run(session, PROMPTS[0], spec=SpecOverrides(n_max=1))
     assert out == plain_outputs[0] and seq.n_drafted > 0
-    assert len(engine.chain.stats["ngram-simple"].n_gen_tokens_per_pos) == 1
+    assert len(session.chain.stats["ngram-simple"].n_gen_tokens_per_pos) == 1
 
 
 # --- the flag ------------------------------------------------------------------------------------------------

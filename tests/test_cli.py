@@ -13,10 +13,11 @@ import torch
 
 from spec_cli.cli import main
 from spec_cli.cli.run import chat_loop
-from spec_cli.engine import EngineOptions, build_engine
+from spec_cli.engine import EngineOptions
 from spec_cli.errors import UsageError
 from spec_cli.options import NO_EFFECT, parse_gpu_layers
 from spec_cli.sampling import SamplingParams
+from spec_cli.session import open_session
 
 PROMPT = "abc abc abc abc abc abc abc abc"
 
@@ -187,8 +188,8 @@ def test_chat_note_starts_its_own_line(monkeypatch, tiny_model_path):
     monkeypatch.setattr(sys, "stdout", terminal)
     monkeypatch.setattr(sys, "stderr", terminal)
     monkeypatch.setattr("builtins.input", lambda prompt: (_ for _ in ()).throw(EOFError))
-    engine = build_engine(EngineOptions(model=str(tiny_model_path), device="cpu"))
-    chat_loop(engine, "hello", SamplingParams(temp=0.0), {"chat_template": None, "n_predict": 6})
+    session = open_session(EngineOptions(model=str(tiny_model_path), device="cpu"))
+    chat_loop(session, "hello", SamplingParams(temp=0.0), {"chat_template": None, "n_predict": 6})
     *reply, note, end = terminal.getvalue().split("\n")
     assert note == "6 tokens" and end == "" and "".join(reply)
 

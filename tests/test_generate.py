@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from spec_cli.engine import EngineOptions, build_engine
+from spec_cli.engine import EngineOptions
 from spec_cli.generate import SpecOverrides, generate
 from spec_cli.sampling import SamplingParams
+from spec_cli.session import open_session
 from spec_cli.speculative import draft_model
 from spec_cli.speculative.base import SpecParams
 
@@ -28,34 +29,34 @@ CHAINS = ["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-ca
           "ngram-mod,draft-simple", "ngram-simple,ngram-cache,draft-simple"]
 
 
-def make_engine(model, spec_types: str = "", draft=None, n_seq: int = 1, draft_max: int = 6, **spec):
+def make_session(model, spec_types: str = "", draft=None, n_seq: int = 1, draft_max: int = 6, **spec):
     params = SpecParams(types=[t for t in spec_types.split(",") if t], draft_max=draft_max, draft_p_min=0.0,
                         **{**SMALL, **spec})
     opts = EngineOptions(model=str(model), model_draft=str(draft) if draft else None, n_ctx=256 * n_seq,
                          n_seq=n_seq, device="cpu", spec=params)
-    return build_engine(opts)
+    return open_session(opts)
 
 
-def run(engine, prompt, n=N_PREDICT, **kw):
+def run(session, prompt, n=N_PREDICT, **kw):
     """Generate from a clean cache; returns (emitted tokens, sequence)."""
-    engine.reset()
+    session.reset()
     emitted: list[int] = []
-    seq = generate(engine.generator(), prompt, kw.pop("sampling", GREEDY), n,
+    seq = generate(session.generator(), prompt, kw.pop("sampling", GREEDY), n,
                    on_emit=lambda e: emitted.extend(e.tokens), **kw)
     return emitted, seq
 
 
 @pytest.fixture(scope="module")
 def plain_outputs(tiny_model_path):
-    engine = make_engine(tiny_model_path)
-    return [run(engine, prompt)[0] for prompt in PROMPTS]
+    session = make_session(tiny_model_path)
+    return [run(session, prompt)[0] for prompt in PROMPTS]
 
 
-def assert_greedy_equals_plain(engine, plain_outputs) -> None:
+def assert_greedy_equals_plain(session, plain_outputs) -> None:
     """Every prompt's greedy output equals plain decoding, and some draft was accepted (else it proves nothing)."""
     drafted = accepted = 0
     for prompt, expected in zip(PROMPTS, plain_outputs):
-        out, seq = run(engine, prompt)
+        out, seq = run(session, prompt)
         assert out == expected
         drafted += seq.n_drafted
         accepted += seq.n_accepted
@@ -64,7 +65,7 @@ def assert_greedy_equals_plain(engine, plain_outputs) -> None:
 
 @pytest.mark.parametrize("chain", CHAINS)
 def test_greedy_speculation_equals_plain_one_sequence(tiny_model_path, tiny_draft_path, plain_outputs, chain):
-    assert_greedy_equals_plain(make_engine(tiny_model_path, chain, draft=tiny_draft_path), plain_outputs)
+    assert_greedy_equals_plain(make_session(tiny_model_path, chain, draft=tiny_draft_path), plain_outputs)
 
 
 GAIN_CHAINS = ["ngram-simple,ngram-map-k,ngram-mod,ngram-cache", "ngram-simple,ngram-cache,draft-simple"]
@@ -77,9 +78,9 @@ def test_gain_selection_equals_plain_and_picks_among_proposals(tiny_model_path, 
     """--spec-select gain: every n-gram drafter proposes, one proposal per step is verified; the output stays plain
     greedy's, and (at a fixed draft length, where every drafter is asked every step) some n-gram drafter proposed
     drafts that another's beat (proposed > verified)."""
-    engine = make_engine(tiny_model_path, chain, draft=tiny_draft_path, select="gain", adaptive=adaptive)
-    assert_greedy_equals_plain(engine, plain_outputs)
-    stats = engine.chain.stats.values()
+    session = make_session(tiny_model_path, chain, draft=tiny_draft_path, select="gain", adaptive=adaptive)
+    assert_greedy_equals_plain(session, plain_outputs)
+    stats = session.chain.stats.values()
     assert all(st.n_proposed >= st.n_gen_drafts for st in stats)
     if not adaptive:
         assert any(st.n_proposed > st.n_gen_drafts for st in stats if st.name != "draft-simple")
@@ -91,8 +92,8 @@ def test_gain_selection_equals_plain_and_picks_among_proposals(tiny_model_path, 
 def test_greedy_speculation_equals_plain_four_sequences(tiny_model_path, tiny_draft_path, plain_outputs, chain,
                                                         defer_max, select, monkeypatch):
     monkeypatch.setattr(draft_model, "DEFER_MAX", defer_max)
-    engine = make_engine(tiny_model_path, chain, draft=tiny_draft_path, n_seq=4, select=select)
-    gen = engine.generator()
+    session = make_session(tiny_model_path, chain, draft=tiny_draft_path, n_seq=4, select=select)
+    gen = session.generator()
     outs: dict[int, list[int]] = {seq: [] for seq in range(len(PROMPTS))}
     for seq, prompt in enumerate(PROMPTS):
         outs[seq].extend(gen.start(seq, prompt, GREEDY, N_PREDICT).tokens)
@@ -112,11 +113,11 @@ def test_greedy_speculation_equals_plain_four_sequences(tiny_model_path, tiny_dr
 def test_self_draft_accepts_everything(tiny_model_path, plain_outputs, defer_max, monkeypatch):
     """The target as its own draft model: any wrong row in the draft cache would show as a rejected draft."""
     monkeypatch.setattr(draft_model, "DEFER_MAX", defer_max)
-    engine = make_engine(tiny_model_path, "draft-simple", draft=tiny_model_path)
-    out, seq = run(engine, PROMPTS[0])
+    session = make_session(tiny_model_path, "draft-simple", draft=tiny_model_path)
+    out, seq = run(session, PROMPTS[0])
     assert out == plain_outputs[0]
     assert seq.n_accepted == seq.n_drafted > 0
-    assert engine.chain.stats["draft-simple"].acc_rate_per_pos[0] == 1.0
+    assert session.chain.stats["draft-simple"].acc_rate_per_pos[0] == 1.0
 
 
 def test_a_short_lag_is_decoded_with_the_seed_row_and_a_long_one_caught_up_apart(tiny_model_path):
@@ -176,9 +177,9 @@ def test_an_idle_draft_model_is_not_prefilled_and_restarts_from_a_window(tiny_mo
 def test_draft_catch_ups_longer_than_n_batch_are_split(tiny_model_path, plain_outputs):
     """Prompt chunks of 8 rows: every draft-cache catch-up (prompt + deferred rows) spans several decodes."""
     params = SpecParams(types=["draft-simple"], draft_max=6, draft_p_min=0.0)
-    engine = build_engine(EngineOptions(model=str(tiny_model_path), model_draft=str(tiny_model_path), n_ctx=256,
-                                        n_batch=8, n_ubatch=8, device="cpu", spec=params))
-    out, seq = run(engine, PROMPTS[0])
+    session = open_session(EngineOptions(model=str(tiny_model_path), model_draft=str(tiny_model_path), n_ctx=256,
+                                         n_batch=8, n_ubatch=8, device="cpu", spec=params))
+    out, seq = run(session, PROMPTS[0])
     assert out == plain_outputs[0] and seq.n_accepted == seq.n_drafted > 0
 
 
@@ -186,13 +187,13 @@ def test_an_idle_draft_model_catches_up_in_batches(tiny_model_path, plain_output
     """A draft model the chain does not ask (here per-request types; the adaptive planner does the same) decodes the
     target's tokens DEFER_MAX positions at a time, not once per step; asked again, it drafts from an exact cache."""
     monkeypatch.setattr(draft_model, "DEFER_MAX", 8)
-    engine = make_engine(tiny_model_path, "ngram-simple,draft-simple", draft=tiny_model_path)
-    engine.reset()
-    ctx = engine.chain.drafters[-1].ctx
+    session = make_session(tiny_model_path, "ngram-simple,draft-simple", draft=tiny_model_path)
+    session.reset()
+    ctx = session.chain.drafters[-1].ctx
     decoded_rows = []
     decode = ctx.decode
     monkeypatch.setattr(ctx, "decode", lambda batch, **kw: decoded_rows.append(len(batch)) or decode(batch, **kw))
-    gen = engine.generator()
+    gen = session.generator()
     out = gen.start(0, PROMPTS[0], GREEDY, N_PREDICT, SpecOverrides(types={"ngram-simple"})).tokens
     s = gen.active[0]
     while s.n_generated < N_PREDICT // 2:
@@ -203,64 +204,64 @@ def test_an_idle_draft_model_catches_up_in_batches(tiny_model_path, plain_output
     while not s.done:
         out += [t for e in gen.step() for t in e.tokens]
     assert out == plain_outputs[0]
-    stats = engine.chain.stats["draft-simple"]
+    stats = session.chain.stats["draft-simple"]
     assert stats.n_gen_tokens > 0 and stats.n_acc_tokens == stats.n_gen_tokens
 
 
 def test_statistics_are_consistent(tiny_model_path, tiny_draft_path):
-    engine = make_engine(tiny_model_path, "ngram-simple,ngram-mod,draft-simple", draft=tiny_draft_path)
-    seqs = [run(engine, p)[1] for p in PROMPTS]
-    for st in engine.chain.stats.values():
+    session = make_session(tiny_model_path, "ngram-simple,ngram-mod,draft-simple", draft=tiny_draft_path)
+    seqs = [run(session, p)[1] for p in PROMPTS]
+    for st in session.chain.stats.values():
         assert st.n_acc_tokens <= st.n_gen_tokens
         assert sum(st.n_acc_tokens_per_pos) == st.n_acc_tokens
         assert st.n_acc_drafts <= st.n_gen_drafts == st.n_call_accept
         if st.n_call_accept:
             assert st.mean_acc_len == pytest.approx(1 + st.n_acc_tokens / st.n_call_accept)
         assert all(0.0 <= r <= 1.0 for r in st.acc_rate_per_pos)
-    assert sum(st.n_acc_tokens for st in engine.chain.stats.values()) == sum(s.n_accepted for s in seqs)
-    assert sum(st.n_gen_tokens for st in engine.chain.stats.values()) == sum(s.n_drafted for s in seqs)
+    assert sum(st.n_acc_tokens for st in session.chain.stats.values()) == sum(s.n_accepted for s in seqs)
+    assert sum(st.n_gen_tokens for st in session.chain.stats.values()) == sum(s.n_drafted for s in seqs)
 
 
 def test_per_sequence_overrides(tiny_model_path, plain_outputs):
-    engine = make_engine(tiny_model_path, "ngram-simple,ngram-mod")
-    out, seq = run(engine, PROMPTS[0], spec=SpecOverrides(enabled=False))
+    session = make_session(tiny_model_path, "ngram-simple,ngram-mod")
+    out, seq = run(session, PROMPTS[0], spec=SpecOverrides(enabled=False))
     assert out == plain_outputs[0] and seq.n_drafted == 0
-    out, seq = run(engine, PROMPTS[0], spec=SpecOverrides(n_max=1))
+    out, seq = run(session, PROMPTS[0], spec=SpecOverrides(n_max=1))
     assert out == plain_outputs[0] and seq.n_drafted > 0
-    assert all(len(st.n_gen_tokens_per_pos) <= 1 for st in engine.chain.stats.values())
-    before = engine.chain.stats["ngram-simple"].n_gen_drafts
-    out, seq = run(engine, PROMPTS[0], spec=SpecOverrides(types={"ngram-mod"}))
+    assert all(len(st.n_gen_tokens_per_pos) <= 1 for st in session.chain.stats.values())
+    before = session.chain.stats["ngram-simple"].n_gen_drafts
+    out, seq = run(session, PROMPTS[0], spec=SpecOverrides(types={"ngram-mod"}))
     assert out == plain_outputs[0]
-    assert engine.chain.stats["ngram-simple"].n_gen_drafts == before
+    assert session.chain.stats["ngram-simple"].n_gen_drafts == before
 
 
 @pytest.mark.parametrize("n", [1, 2, 7])
 def test_n_predict_is_exact_even_inside_an_accepted_run(tiny_model_path, plain_outputs, n):
-    engine = make_engine(tiny_model_path, "ngram-simple")
-    out, seq = run(engine, PROMPTS[0], n)
+    session = make_session(tiny_model_path, "ngram-simple")
+    out, seq = run(session, PROMPTS[0], n)
     assert out == plain_outputs[0][:n]
     assert seq.n_generated == n and seq.finish_reason == "length"
 
 
 def test_end_of_generation_token_stops_and_is_not_emitted(tiny_model_path, plain_outputs):
-    engine = make_engine(tiny_model_path, "ngram-simple")
+    session = make_session(tiny_model_path, "ngram-simple")
     stop = plain_outputs[0][5]
-    engine.tokenizer.eog_ids = frozenset({stop})
-    out, seq = run(engine, PROMPTS[0])
+    session.engine.tokenizer.eog_ids = frozenset({stop})
+    out, seq = run(session, PROMPTS[0])
     assert out == plain_outputs[0][: plain_outputs[0].index(stop)]
     assert seq.finish_reason == "stop"
 
 
 def test_context_end_finishes_with_length(tiny_model_path):
-    engine = make_engine(tiny_model_path, "ngram-simple")
-    engine.ctx.n_ctx_seq = 30  # a small context
-    out, seq = run(engine, PROMPTS[0], -1)
+    session = make_session(tiny_model_path, "ngram-simple")
+    session.engine.ctx.n_ctx_seq = 30  # a small context
+    out, seq = run(session, PROMPTS[0], -1)
     assert seq.finish_reason == "length" and len(PROMPTS[0]) + len(out) == 31
 
 
 def test_prompt_longer_than_context_is_a_clear_error(tiny_model_path):
     from spec_cli.errors import SpecCliError
 
-    engine = make_engine(tiny_model_path)
+    session = make_session(tiny_model_path)
     with pytest.raises(SpecCliError, match="prompt is too long"):
-        generate(engine.generator(), list(range(5, 300)), GREEDY, 4)
+        generate(session.generator(), list(range(5, 300)), GREEDY, 4)

@@ -14,15 +14,15 @@ import torch
 from spec_cli.batch import Batch
 from spec_cli.context import Context
 from spec_cli.sampling import Sampler, SamplingParams
-from tests.test_generate import PROMPTS, make_engine, run
+from tests.test_generate import PROMPTS, make_session, run
 
 HOT = dict(temp=0.8, top_k=40, top_p=0.95, min_p=0.05)
 
 
 @pytest.mark.parametrize("chain", ["ngram-simple", "ngram-mod", "draft-simple", "ngram-mod,draft-simple"])
 def test_match_mode_with_a_seed_reproduces_plain_sampling(tiny_model_path, tiny_draft_path, chain):
-    plain = make_engine(tiny_model_path)
-    spec = make_engine(tiny_model_path, chain, draft=tiny_draft_path, verify="match")
+    plain = make_session(tiny_model_path)
+    spec = make_session(tiny_model_path, chain, draft=tiny_draft_path, verify="match")
     drafted = 0
     for seed in range(4):
         sampling = SamplingParams(seed=seed, **HOT)
@@ -33,9 +33,9 @@ def test_match_mode_with_a_seed_reproduces_plain_sampling(tiny_model_path, tiny_
     assert drafted > 0
 
 
-def exact_two_token_distribution(engine, prompt, sampling) -> dict[tuple[int, int], float]:
+def exact_two_token_distribution(session, prompt, sampling) -> dict[tuple[int, int], float]:
     """P(t1, t2) of plain sampling, from the target's own logits and the sampler's filtered distribution."""
-    ctx = Context(engine.target, n_ctx=64)
+    ctx = Context(session.engine.target, n_ctx=64)
     b = Batch()
     for i, t in enumerate(prompt):
         b.add(t, i, 0, i == len(prompt) - 1)
@@ -54,14 +54,14 @@ def exact_two_token_distribution(engine, prompt, sampling) -> dict[tuple[int, in
 def test_rejection_mode_keeps_the_target_distribution(tiny_model_path, tiny_close_draft_path):
     # flat sampler (high temperature, top-k 3) so several (t1, t2) pairs are likely and the draft is often rejected
     params = dict(temp=1.5, top_k=3, top_p=1.0, min_p=0.0)
-    engine = make_engine(tiny_model_path, "draft-simple", draft=tiny_close_draft_path, verify="rejection", draft_max=3)
+    session = make_session(tiny_model_path, "draft-simple", draft=tiny_close_draft_path, verify="rejection", draft_max=3)
     prompt = PROMPTS[1]
-    exact = exact_two_token_distribution(engine, prompt, SamplingParams(**params))
+    exact = exact_two_token_distribution(session, prompt, SamplingParams(**params))
     n = 600
     counts: Counter = Counter()
     accepted = drafted = 0
     for seed in range(n):
-        out, seq = run(engine, prompt, 4, sampling=SamplingParams(seed=seed, **params))  # t2 is a verified token
+        out, seq = run(session, prompt, 4, sampling=SamplingParams(seed=seed, **params))  # t2 is a verified token
         counts[tuple(out[:2])] += 1
         accepted += seq.n_accepted
         drafted += seq.n_drafted

@@ -12,7 +12,7 @@ import pytest
 from spec_cli import lookup_offline
 from spec_cli.engine import EngineOptions, build_engine
 from spec_cli.generate import generate
-from spec_cli.lookup import attach_lookup_chain, load_tokenizer, save_dynamic_cache, tokenize_corpus
+from spec_cli.lookup import load_tokenizer, open_lookup_session, save_dynamic_cache, tokenize_corpus
 from spec_cli.lookup_offline import build_static_cache
 from spec_cli.sampling import SamplingParams
 from spec_cli.speculative.base import SpecParams
@@ -168,12 +168,11 @@ def test_lookup_draft_max_is_the_draft_length(monkeypatch, capsys, tiny_model_pa
 def test_saved_dynamic_cache_counts_the_whole_text(tmp_path, tiny_model_path):
     """As llama-lookup: every token of the text, up to the last one sampled, ends in the saved context counts."""
     path = str(tmp_path / "dynamic.bin")
-    engine = build_engine(EngineOptions(model=str(tiny_model_path), n_ctx=256, device="cpu",
-                                        spec=SpecParams(lookup_cache_dynamic=path)))
-    attach_lookup_chain(engine, 4)
-    prompt = engine.tokenizer.encode(PROMPT, add_special=True, parse_special=True)
-    s = generate(engine.generator(), prompt, SamplingParams(temp=0.0), 30)
-    save_dynamic_cache(engine, s)
+    engine = build_engine(EngineOptions(model=str(tiny_model_path), n_ctx=256, device="cpu"))
+    session, _ = open_lookup_session(engine, SpecParams(lookup_cache_dynamic=path), 4)
+    prompt = session.engine.tokenizer.encode(PROMPT, add_special=True, parse_special=True)
+    s = generate(session.generator(), prompt, SamplingParams(temp=0.0), 30)
+    save_dynamic_cache(session, s)
     expected = {}
     ngram_cache_update(expected, NGRAM_MIN, NGRAM_MAX, s.tokens + [s.id_last], len(s.tokens) + 1)
     assert len(s.tokens) + 1 == len(prompt) + 30

@@ -4,6 +4,7 @@ partial acceptance, greedy losslessness alone and in a chain for one and four se
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import sysconfig
@@ -16,21 +17,20 @@ from gguf import GGMLQuantizationType
 
 from spec_cli.batch import Batch
 from spec_cli.context import Context
-from spec_cli.engine import EngineOptions, build_engine
+from spec_cli.engine import EngineOptions
 from spec_cli.generate import generate
 from spec_cli.gguf_file import GGUFFile
 from spec_cli.loader import load_model
 from spec_cli import mtp as mtp_module
-from spec_cli.mtp import MTPContext, load_mtp_head
+from spec_cli.mtp import load_mtp_head
 from spec_cli.mtp_data import generation_prompts, prompt_set_files, stdlib_documents, token_windows
 from spec_cli.mtp_features import head_forward
 from spec_cli.mtp_train import TrainConfig, draft_vocabulary, train
 from spec_cli.qlinear import QLinear
 from spec_cli.sampling import SamplingParams
+from spec_cli.session import open_session
 from spec_cli.speculative import mtp as mtp_drafter
 from spec_cli.speculative.base import DraftParams, SpecParams
-from spec_cli.speculative.chain import Chain
-from spec_cli.speculative.registry import DrafterInputs, build_drafters
 from spec_cli.tokenizer import Tokenizer
 from tests.tiny_mtp import write_tiny_mtp_gguf
 
@@ -49,26 +49,17 @@ def mtp_path(tmp_path_factory):
     return write_tiny_mtp_gguf(tmp_path_factory.mktemp("mtp") / "tiny-mtp.gguf")
 
 
-def make_engine(path, spec_types: str = "", n_seq: int = 1, **spec):
-    """An engine whose chain holds the requested n-gram drafters and, for `draft-mtp`, an MTP drafter."""
-    types = [t for t in spec_types.split(",") if t]
-    params = SpecParams(types=types, draft_max=6, draft_p_min=0.0, ngram_mod_n_match=3, ngram_mod_n_min=1,
-                        ngram_mod_n_max=8, **spec)
-    engine = build_engine(EngineOptions(model=str(path), n_ctx=128 * n_seq, n_seq=n_seq, device="cpu",
-                                        spec=SpecParams(draft_max=params.draft_max)))
-    engine.spec = params
-    ctx, mctx = engine.ctx, None
-    if "draft-mtp" in types:
-        mctx = MTPContext(load_mtp_head(engine.target), ctx.n_ctx, n_seq, ctx.n_batch, ctx.n_ubatch)
-    drafters = build_drafters(types, DrafterInputs(params, n_seq, ctx, mtp=mctx))
-    engine.chain = Chain(drafters, n_seq) if drafters else None
-    return engine
+def make_session(path, spec_types: str = "", n_seq: int = 1, **spec):
+    """A session whose chain holds the requested n-gram drafters and, for `draft-mtp`, an MTP drafter."""
+    params = SpecParams(types=[t for t in spec_types.split(",") if t], draft_max=6, draft_p_min=0.0,
+                        ngram_mod_n_match=3, ngram_mod_n_min=1, ngram_mod_n_max=8, **spec)
+    return open_session(EngineOptions(model=str(path), n_ctx=128 * n_seq, n_seq=n_seq, device="cpu", spec=params))
 
 
-def run_all(engine, prompts):
+def run_all(session, prompts):
     """Greedy outputs of all prompts generated together, one sequence each."""
-    engine.reset()
-    gen = engine.generator()
+    session.reset()
+    gen = session.generator()
     outs = {seq: list(gen.start(seq, p, GREEDY, N_PREDICT).tokens) for seq, p in enumerate(prompts)}
     while emitted := gen.step():
         for e in emitted:
@@ -78,8 +69,8 @@ def run_all(engine, prompts):
 
 @pytest.fixture(scope="module")
 def plain_outputs(mtp_path):
-    engine = make_engine(mtp_path)
-    return [run_all(engine, [p])[0] for p in PROMPTS]
+    session = make_session(mtp_path)
+    return [run_all(session, [p])[0] for p in PROMPTS]
 
 
 # --- model side -----------------------------------------------------------------------------------------------
@@ -139,9 +130,9 @@ def reference_draft(head, lm, prompt: list[int], id_last: int, n: int, shift: in
     return drafts
 
 
-def record_drafts(engine):
+def record_drafts(session):
     """Wrap the MTP drafter's draft(): every call's (prompt, id_last, drafted tokens)."""
-    drafter = engine.chain.drafters[-1]
+    drafter = session.chain.drafters[-1]
     calls, inner = [], drafter.draft
 
     def draft(params):
@@ -158,12 +149,12 @@ def test_drafts_follow_the_shifted_hidden_states(mtp_path, monkeypatch, n_seq, d
     """defer_max 0: head rows are decoded in process() itself, verify rows included, and trimmed by accept().
     Under reeval rollback every committed head row reads the target's hidden state, as the reference does."""
     monkeypatch.setattr(mtp_drafter, "DEFER_MAX", defer_max)
-    engine = make_engine(mtp_path, "draft-mtp", n_seq=n_seq, mtp_rollback="reeval")
-    calls = record_drafts(engine)
-    run_all(engine, PROMPTS[:n_seq])
-    stats = engine.chain.stats["draft-mtp"]
+    session = make_session(mtp_path, "draft-mtp", n_seq=n_seq, mtp_rollback="reeval")
+    calls = record_drafts(session)
+    run_all(session, PROMPTS[:n_seq])
+    stats = session.chain.stats["draft-mtp"]
     assert 0 < stats.n_acc_tokens < stats.n_gen_tokens, "needs partial acceptance to exercise the rollback"
-    head, lm = engine.chain.drafters[-1].ctx.head, engine.target
+    head, lm = session.chain.drafters[-1].ctx.head, session.engine.target
     wrong_shift_differs = False
     for prompt, id_last, drafted in calls[:8]:
         assert drafted == reference_draft(head, lm, prompt, id_last, len(drafted))
@@ -189,11 +180,11 @@ def test_partial_acceptance_keeps_committed_state_only(mtp_path, rollback):
     are the committed ones; the seed row stays (it read the target's hidden state); partial rollback keeps the
     accepted draft token's head row as drafted and decodes nothing more before the next draft, reeval re-decodes it
     from the target's hidden state, so that the next draft equals a from-scratch run of the head."""
-    engine = make_engine(mtp_path, "draft-mtp", mtp_rollback=rollback)
-    drafter = engine.chain.drafters[-1]
+    session = make_session(mtp_path, "draft-mtp", mtp_rollback=rollback)
+    drafter = session.chain.drafters[-1]
     prompt = PROMPTS[0]
-    engine.reset()
-    gen = engine.generator()
+    session.reset()
+    gen = session.generator()
     id_last = gen.start(0, prompt, GREEDY, N_PREDICT).tokens[0]
     pos0 = len(prompt)
     p = DraftParams(0, 3, pos0, id_last, list(prompt))
@@ -203,7 +194,7 @@ def test_partial_acceptance_keeps_committed_state_only(mtp_path, rollback):
     batch = Batch()
     for i, t in enumerate([id_last] + p.result):
         batch.add(t, pos0 + i, 0, True)
-    out = engine.ctx.decode(batch)
+    out = session.engine.ctx.decode(batch)
     drafter.process(batch)
     drafter.accept(0, 1, False)  # the target kept id_last and the first draft token
     keep = pos0 + 2
@@ -212,13 +203,13 @@ def test_partial_acceptance_keeps_committed_state_only(mtp_path, rollback):
     assert drafter.n_done[0] == kept_rows and drafter.ctx.lengths[0] == kept_rows
     assert torch.equal(drafter.ctx.kv[0][0][0, :, pos0: kept_rows], drafted_k[:, : kept_rows - pos0])
     torch.testing.assert_close(drafter.ctx.feed[0, keep - 1], out.hidden[1])  # pending = hidden of the last kept row
-    engine.ctx.seq_rm(0, keep)
+    session.engine.ctx.seq_rm(0, keep)
     sizes = head_rows_decoded(drafter)
     q = DraftParams(0, 3, keep, 5, prompt + [id_last, p.result[0]])
     drafter.draft([q])
     assert sizes[0] == 1 + keep - kept_rows  # the seed row, behind the re-decoded accepted rows
     if rollback == "reeval":
-        assert q.result == reference_draft(drafter.ctx.head, engine.target, q.prompt, 5, 3)
+        assert q.result == reference_draft(drafter.ctx.head, session.engine.target, q.prompt, 5, 3)
 
 
 # --- losslessness -------------------------------------------------------------------------------------------
@@ -228,10 +219,10 @@ def test_partial_acceptance_keeps_committed_state_only(mtp_path, rollback):
 @pytest.mark.parametrize("n_seq", [1, 4])
 @pytest.mark.parametrize("rollback", ["partial", "reeval"])
 def test_greedy_speculation_equals_plain(mtp_path, plain_outputs, chain, n_seq, rollback):
-    engine = make_engine(mtp_path, chain, n_seq=n_seq, mtp_rollback=rollback)
-    outs = run_all(engine, PROMPTS[:n_seq])
+    session = make_session(mtp_path, chain, n_seq=n_seq, mtp_rollback=rollback)
+    outs = run_all(session, PROMPTS[:n_seq])
     assert outs == plain_outputs[:n_seq]
-    stats = engine.chain.stats["draft-mtp"]
+    stats = session.chain.stats["draft-mtp"]
     assert stats.n_gen_tokens > 0 and stats.n_acc_tokens > 0
     assert max(len(stats.n_gen_tokens_per_pos), 1) <= 3  # MTP's own default length cap, below --draft-max 6
 
@@ -239,9 +230,9 @@ def test_greedy_speculation_equals_plain(mtp_path, plain_outputs, chain, n_seq, 
 # --- the light head on the CPU: Q8_0 linears, a draft vocabulary ---------------------------------------------
 
 
-def drafted_tokens(engine) -> list[int]:
-    calls = record_drafts(engine)
-    run_all(engine, PROMPTS)
+def drafted_tokens(session) -> list[int]:
+    calls = record_drafts(session)
+    run_all(session, PROMPTS)
     return [t for _, _, drafted in calls for t in drafted]
 
 
@@ -250,16 +241,16 @@ def test_draft_vocabulary_maps_rows_back_to_token_ids(tmp_path, plain_outputs, m
     half vocabulary drafts only its own tokens and stays lossless."""
     n_vocab = load_model(mtp_path, device="cpu").config.n_vocab
     shuffled = torch.randperm(n_vocab, generator=torch.Generator().manual_seed(0)).tolist()
-    everything = drafted_tokens(make_engine(mtp_path, "draft-mtp", n_seq=4))
+    everything = drafted_tokens(make_session(mtp_path, "draft-mtp", n_seq=4))
     path = write_tiny_mtp_gguf(tmp_path / "shuffled.gguf", draft_vocab=shuffled)
     assert GGUFFile(path).metadata["spec_cli.nextn_draft_vocab"] == shuffled
-    assert drafted_tokens(make_engine(path, "draft-mtp", n_seq=4)) == everything
+    assert drafted_tokens(make_session(path, "draft-mtp", n_seq=4)) == everything
 
     half = sorted(set(shuffled[: n_vocab // 2]) | {everything[0]})
-    engine = make_engine(write_tiny_mtp_gguf(tmp_path / "half.gguf", draft_vocab=half), "draft-mtp", n_seq=4)
-    drafted = drafted_tokens(engine)
+    session = make_session(write_tiny_mtp_gguf(tmp_path / "half.gguf", draft_vocab=half), "draft-mtp", n_seq=4)
+    drafted = drafted_tokens(session)
     assert drafted and set(drafted) <= set(half) and set(everything) - set(half)
-    assert run_all(engine, PROMPTS) == plain_outputs
+    assert run_all(session, PROMPTS) == plain_outputs
 
 
 def test_bad_draft_vocabulary_is_a_clear_error(tmp_path):
@@ -273,24 +264,24 @@ def test_bad_draft_vocabulary_is_a_clear_error(tmp_path):
 def test_q8_head_and_output_draft_like_the_float_head(mtp_path):
     """What `--dtype q` gives the head: Q8_0 block and eh_proj (mtp._quantize), and a Q8_0 output matrix shared
     with the target. Logits stay close to float32, and greedy speculation stays lossless."""
-    engine = make_engine(mtp_path, "draft-mtp", n_seq=4)
-    head = engine.chain.drafters[-1].ctx.head
+    session = make_session(mtp_path, "draft-mtp", n_seq=4)
+    head = session.chain.drafters[-1].ctx.head
     tokens, prev = torch.tensor([PROMPTS[0]]), torch.randn(1, len(PROMPTS[0]), head.cfg.n_embd)
     with torch.no_grad():
         reference = head.logits(head_forward(head, tokens, prev))
         mtp_module._quantize(head)
-        (qtype, raw), = engine.target.model.output.segments  # the tiny model's float32 output rows
+        (qtype, raw), = session.engine.target.model.output.segments  # the tiny model's float32 output rows
         assert qtype == GGMLQuantizationType.F32
-        engine.target.model.output = QLinear.from_float(raw.view(torch.float32))
+        session.engine.target.model.output = QLinear.from_float(raw.view(torch.float32))
         quantized = head.logits(head_forward(head, tokens, prev))
     assert all(qtype == GGMLQuantizationType.Q8_0 for m in head.block.modules() if isinstance(m, QLinear)
                for qtype, _ in m.segments)
     assert float((quantized - reference).abs().max()) < 0.05 * float(reference.abs().max())
-    chain, engine.chain = engine.chain, None  # plain decoding of the same (now Q8_0-output) target
-    expected = [run_all(engine, [p])[0] for p in PROMPTS]
-    engine.chain = chain
-    assert run_all(engine, PROMPTS) == expected
-    assert engine.chain.stats["draft-mtp"].n_acc_tokens > 0
+    plain = session.renew(types=[])  # plain decoding of the same (now Q8_0-output) target
+    expected = [run_all(plain, [p])[0] for p in PROMPTS]
+    session = plain.renew(types=["draft-mtp"])
+    assert run_all(session, PROMPTS) == expected
+    assert session.stats["draft-mtp"].n_acc_tokens > 0
 
 
 # --- distillation -------------------------------------------------------------------------------------------
@@ -315,11 +306,11 @@ def test_training_lowers_the_loss_and_round_trips(tiny_model_path, tmp_path, dty
     assert trained.keys() == loaded.keys()
     for name, t in trained.items():
         torch.testing.assert_close(loaded[name], t, atol=0, rtol=0)
-    engine = make_engine(out, "draft-mtp")
-    plain = make_engine(out)
+    session = make_session(out, "draft-mtp")
+    plain = make_session(out)
     for prompt in PROMPTS[:2]:
-        assert run_all(engine, [prompt]) == run_all(plain, [prompt])
-    assert engine.chain.stats["draft-mtp"].n_gen_tokens > 0
+        assert run_all(session, [prompt]) == run_all(plain, [prompt])
+    assert session.chain.stats["draft-mtp"].n_gen_tokens > 0
 
 
 
@@ -345,11 +336,11 @@ def test_training_data_leaves_out_prompt_set_sources(tiny_model_path):
 
 
 def test_spec_type_mtp_through_the_engine(mtp_path):
-    """`--spec-type mtp` wired by build_engine: greedy output equals plain output, and the head drafts."""
+    """`--spec-type mtp` opened by open_session: greedy output equals plain output, and the head drafts."""
     from spec_cli.speculative.chain import parse_spec_types
 
-    plain = build_engine(EngineOptions(model=str(mtp_path), n_ctx=128, device="cpu"))
-    spec = build_engine(EngineOptions(model=str(mtp_path), n_ctx=128, device="cpu",
+    plain = open_session(EngineOptions(model=str(mtp_path), n_ctx=128, device="cpu"))
+    spec = open_session(EngineOptions(model=str(mtp_path), n_ctx=128, device="cpu",
                                       spec=SpecParams(types=parse_spec_types("ngram-mod,mtp"), draft_max=3,
                                                       draft_p_min=0.0, ngram_mod_n_match=3, ngram_mod_n_min=1)))
     assert [d.name for d in spec.chain.drafters] == ["ngram-mod", "draft-mtp"]
@@ -363,11 +354,27 @@ def test_spec_type_mtp_through_the_engine(mtp_path):
     assert spec.chain.stats["draft-mtp"].n_gen_tokens > 0
 
 
+def test_hidden_state_capture_lives_with_the_session_that_reads_it(mtp_path):
+    """draft-mtp's session keeps the target capturing hidden states; the next session without it, or closing it,
+    stops the capture (it used to outlive the chain). The engine itself cannot be rewired."""
+    session = make_session(mtp_path, "ngram-mod,draft-mtp")
+    ctx = session.engine.ctx
+    assert ctx.capture_hidden
+    plain = session.renew(types=["ngram-mod"])
+    assert plain.types == ["ngram-mod"] and not ctx.capture_hidden
+    again = plain.renew(types=["draft-mtp"])
+    assert again.types == ["draft-mtp"] and ctx.capture_hidden
+    again.close()
+    assert not ctx.capture_hidden and ctx.last_hidden is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        session.engine.ctx = None
+
+
 def test_mtp_on_a_model_without_head_is_a_clear_error(tiny_model_path):
     from spec_cli.errors import SpecCliError
 
     with pytest.raises(SpecCliError, match="MTP"):
-        build_engine(EngineOptions(model=str(tiny_model_path), device="cpu", spec=SpecParams(types=["draft-mtp"])))
+        open_session(EngineOptions(model=str(tiny_model_path), device="cpu", spec=SpecParams(types=["draft-mtp"])))
 
 
 def test_mtp_train_command_writes_a_loadable_head(capsys, monkeypatch, tiny_model_path, tmp_path):

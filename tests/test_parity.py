@@ -20,10 +20,11 @@ import torch
 
 from spec_cli.batch import Batch
 from spec_cli.context import Context
-from spec_cli.engine import EngineOptions, build_engine
+from spec_cli.engine import EngineOptions
 from spec_cli.generate import generate
 from spec_cli.loader import load_model
 from spec_cli.sampling import SamplingParams
+from spec_cli.session import open_session
 from tests.real_models import real_model, reference
 
 CLEAR_MARGIN = 0.5  # llama.cpp logit margin above which we must pick llama.cpp's token
@@ -58,17 +59,18 @@ def test_teacher_forced_argmax_matches_llamacpp(name, dtype):
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
 def test_free_running_greedy_matches_llamacpp_up_to_the_first_near_tie(name):
-    engine = build_engine(EngineOptions(model=str(real_model(name)), n_ctx=1024, device="cpu"))
+    session = open_session(EngineOptions(model=str(real_model(name)), n_ctx=1024, device="cpu"))
     for case in reference(name)["greedy"]:
         margins = case["top1_minus_top2_logit"]
         safe = next((i for i, m in enumerate(margins) if m < FREE_RUN_MARGIN), len(margins))
         if safe == 0:
             continue
-        engine.reset()
+        session.reset()
         out: list[int] = []
-        generate(engine.generator(), case["prompt_ids"], SamplingParams(temp=0.0), safe,
+        generate(session.generator(), case["prompt_ids"], SamplingParams(temp=0.0), safe,
                  on_emit=lambda e: out.extend(e.tokens))
-        expected = [t for t in case["output_ids"][:safe] if t not in engine.tokenizer.eog_ids]  # EOG is not emitted
+        eog = session.engine.tokenizer.eog_ids
+        expected = [t for t in case["output_ids"][:safe] if t not in eog]  # EOG is not emitted
         assert out == expected, f"{name}/{case['id']}"
 
 

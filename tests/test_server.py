@@ -19,7 +19,7 @@ import pytest
 
 from spec_cli.server import ServerSettings
 from spec_cli.server.task import StopText
-from tests.server_harness import N_CTX_SLOT, PROMPTS, LiveServer, greedy_reference, make_engine, parse_metrics
+from tests.server_harness import N_CTX_SLOT, PROMPTS, LiveServer, greedy_reference, make_session, parse_metrics
 
 N = 16  # tokens per answer
 GREEDY_SETTINGS = dict(temperature=0.0)
@@ -27,8 +27,8 @@ GREEDY_SETTINGS = dict(temperature=0.0)
 
 @pytest.fixture(scope="module")
 def srv(tiny_model_path):
-    engine = make_engine(tiny_model_path, n_seq=4)
-    with LiveServer(engine, ServerSettings(metrics=True, alias="tiny")) as s:
+    session = make_session(tiny_model_path, n_seq=4)
+    with LiveServer(session, ServerSettings(metrics=True, alias="tiny")) as s:
         yield s
 
 
@@ -50,7 +50,7 @@ def ref(tiny_model_path):
 
 @pytest.fixture(scope="module")
 def tok(srv):
-    return srv.engine.tokenizer
+    return srv.session.engine.tokenizer
 
 
 def text_of(tok, tokens):
@@ -329,7 +329,7 @@ def test_engine_error_fails_the_request_and_the_server_recovers(http, ref, tok, 
 
 @pytest.fixture(scope="module")
 def locked(tiny_model_path):
-    with LiveServer(make_engine(tiny_model_path), ServerSettings(api_key="sekrit", slots=False)) as s:
+    with LiveServer(make_session(tiny_model_path), ServerSettings(api_key="sekrit", slots=False)) as s:
         yield s
 
 

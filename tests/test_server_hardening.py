@@ -18,7 +18,7 @@ import pytest
 
 import spec_cli.chat
 from spec_cli.server import ServerSettings
-from tests.server_harness import N_CTX_SLOT, LiveServer, make_engine
+from tests.server_harness import N_CTX_SLOT, LiveServer, make_session
 
 CHAT = [{"role": "user", "content": "Hello"}]
 
@@ -30,7 +30,7 @@ def settings():
 
 @pytest.fixture(scope="module")
 def srv(tiny_model_path, settings):
-    with LiveServer(make_engine(tiny_model_path, n_seq=2), settings) as s:
+    with LiveServer(make_session(tiny_model_path, n_seq=2), settings) as s:
         yield s
 
 
@@ -100,7 +100,7 @@ def test_body_over_the_limit_is_a_413_before_it_is_read(http, settings):
 @pytest.fixture
 def encoded(srv, monkeypatch):
     """Lengths of the texts the server tokenizes."""
-    tok = srv.engine.tokenizer
+    tok = srv.session.engine.tokenizer
     lengths: list[int] = []
 
     def spy(text, *args, **kwargs):
@@ -112,7 +112,7 @@ def encoded(srv, monkeypatch):
 
 
 def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(http, srv, encoded):
-    tok = srv.engine.tokenizer
+    tok = srv.session.engine.tokenizer
     longest = max((tok.token_text(i) for i in range(tok.n_vocab)), key=lambda t: len(t.encode()))
     # the longest token, over and over: each copy is one token, so the bound is exact here
     fits = longest * (N_CTX_SLOT - 1 - len(tok.encode("", add_special=True)))
@@ -192,7 +192,7 @@ def wait_until(condition, timeout: float = 30) -> None:
 
 def test_shutdown_fails_requests_still_running_after_the_grace_period(tiny_model_path):
     long = {"prompt": "hi", "ignore_eos": True, "temperature": 0}
-    with LiveServer(make_engine(tiny_model_path, n_seq=3, n_ctx_slot=8192), grace=0.3) as srv:
+    with LiveServer(make_session(tiny_model_path, n_seq=3, n_ctx_slot=8192), grace=0.3) as srv:
         out: dict = {}
 
         def plain():
@@ -218,7 +218,7 @@ def test_shutdown_fails_requests_still_running_after_the_grace_period(tiny_model
 
 
 def test_shutdown_lets_requests_finish_within_the_grace_period_and_refuses_new_ones(tiny_model_path):
-    with LiveServer(make_engine(tiny_model_path, n_seq=2, n_ctx_slot=2048), grace=60) as srv:
+    with LiveServer(make_session(tiny_model_path, n_seq=2, n_ctx_slot=2048), grace=60) as srv:
         out: dict = {}
 
         def request():

@@ -20,7 +20,7 @@ import torch
 
 from spec_cli.server import ServerSettings
 from tests.real_models import real_model
-from tests.server_harness import LiveServer, make_engine, parse_metrics
+from tests.server_harness import LiveServer, make_session, parse_metrics
 
 pytestmark = pytest.mark.real_model
 
@@ -41,9 +41,9 @@ def srv():
     old = torch.get_num_threads()
     torch.set_num_threads(2)
     # n-gram speculation loaded, but off unless a request asks for it
-    engine = make_engine(real_model(MODEL), n_seq=4, spec_types="ngram-simple")
+    session = make_session(real_model(MODEL), n_seq=4, spec_types="ngram-simple")
     try:
-        with LiveServer(engine, ServerSettings(metrics=True)) as s:
+        with LiveServer(session, ServerSettings(metrics=True)) as s:
             yield s
     finally:
         torch.set_num_threads(old)

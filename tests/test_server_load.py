@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from spec_cli.server import ServerSettings
-from tests.server_harness import PROMPTS, LiveServer, greedy_reference, make_engine, parse_metrics
+from tests.server_harness import PROMPTS, LiveServer, greedy_reference, make_session, parse_metrics
 
 N = 24  # tokens per answer
 CLIENTS, REQUESTS = 16, 2
@@ -41,8 +41,8 @@ def servers(tiny_model_path, tiny_draft_path):
         if name not in started:
             cfg = dict(CONFIGS[name])
             draft = tiny_draft_path if cfg.pop("draft", False) else None
-            engine = make_engine(tiny_model_path, n_seq=4, draft=draft, **cfg)
-            started[name] = stack.enter_context(LiveServer(engine, ServerSettings(metrics=True)))
+            session = make_session(tiny_model_path, n_seq=4, draft=draft, **cfg)
+            started[name] = stack.enter_context(LiveServer(session, ServerSettings(metrics=True)))
         return started[name]
 
     with stack:
@@ -76,7 +76,7 @@ async def one_client(url: str, i: int, ref: dict, tok) -> list[bool]:
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_concurrent_streaming_clients_get_their_own_greedy_output(servers, ref, config):
     srv = servers(config)
-    tok = srv.engine.tokenizer
+    tok = srv.session.engine.tokenizer
     before = parse_metrics(httpx.get(srv.url + "/metrics").text)
 
     async def main():
@@ -120,7 +120,7 @@ def test_per_request_speculation_overrides(servers, ref):
     assert default["timings"]["draft_n"] > 0 and default["tokens"] == ref[prompt]
     gs = default["generation_settings"]
     assert gs["speculative"] is True and gs["speculative.types"] == ["ngram-simple"]
-    assert gs["speculative.n_max"] == srv.engine.spec.draft_max
+    assert gs["speculative.n_max"] == srv.session.spec.draft_max
 
     off = native(srv, prompt=prompt, speculative=False).json()
     assert off["tokens"] == ref[prompt] and "draft_n" not in off["timings"]
@@ -165,7 +165,7 @@ def test_draft_model_p_min_override(servers, ref):
 
 @pytest.fixture(scope="module")
 def single(tiny_model_path):
-    with LiveServer(make_engine(tiny_model_path, n_seq=1, n_ctx_slot=2048), ServerSettings(metrics=True)) as s:
+    with LiveServer(make_session(tiny_model_path, n_seq=1, n_ctx_slot=2048), ServerSettings(metrics=True)) as s:
         yield s
 
 

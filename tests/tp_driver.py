@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import sys
 
-from spec_cli.engine import EngineOptions, build_engine
+from spec_cli.engine import EngineOptions
 from spec_cli.sampling import SamplingParams
+from spec_cli.session import open_session
 from spec_cli.speculative.base import SpecParams
 
 # prompts that repeat themselves, so n-gram drafters find matches (token ids of the tiny vocabulary)
@@ -25,12 +26,12 @@ def greedy_outputs(model: str, draft: str | None, chain: str, n_seq: int, tp: in
     tokens were accepted (rejected ones were rolled back with seq_rm)."""
     spec = SpecParams(types=[t for t in chain.split(",") if t], draft_max=6, draft_p_min=0.0,
                       ngram_simple_size_n=2, ngram_simple_size_m=8)
-    engine = build_engine(EngineOptions(model=model, model_draft=draft, n_ctx=256 * n_seq, n_seq=n_seq,
-                                        device="cpu", spec=spec, tensor_parallel=tp))
+    session = open_session(EngineOptions(model=model, model_draft=draft, n_ctx=256 * n_seq, n_seq=n_seq,
+                                         device="cpu", spec=spec, tensor_parallel=tp))
     rounds, accepted = [], 0
     for _ in range(2):
-        engine.reset()
-        gen = engine.generator()
+        session.reset()
+        gen = session.generator()
         outs = {seq: list(gen.start(seq, prompt, SamplingParams(temp=0.0), N_PREDICT).tokens)
                 for seq, prompt in enumerate(PROMPTS[:n_seq])}
         seqs = dict(gen.active)

@@ -15,8 +15,8 @@ What is timed, exactly:
   accepted, per position) are counted from the sequences' own counters per step, pooled over prompts and
   repetitions (llama.cpp's definitions, speculative/stats.py).
 
-Cold and warm: by default every speculative repetition is cold, exactly like a fresh process: `engine.reset()`
-empties the KV caches and `build_chain` makes fresh drafters (empty n-gram pools, cleared draft context). Within a
+Cold and warm: by default every speculative repetition is cold, exactly like a fresh process: `Session.renew`
+empties the KV caches and makes fresh drafters (empty n-gram pools, cleared draft context). Within a
 repetition the prompts run one after another on the same chain, as requests to a server would. `--warm` keeps
 the chain across repetitions (and from the warmup), so n-gram pools fill up; rows say `warm`. The plain run of
 the same prompts, sampling and length in the same invocation is the reference for `speedup`.
@@ -46,10 +46,11 @@ from spec_cli.bench.params import BenchParams, Instance, Test, chain_types, inst
 from spec_cli.bench.prompts import PromptSet, load_prompt_set, render_tokens
 from spec_cli.bench.verify_cost import curve
 from spec_cli.context import Context
-from spec_cli.engine import Engine, EngineOptions, assemble_engine, build_chain, context_class, load_target, resolve
+from spec_cli.engine import EngineOptions, assemble_engine, context_class, load_target, resolve
 from spec_cli.errors import SpecCliError
 from spec_cli.loader import LoadedModel
 from spec_cli.sampling import SamplingParams
+from spec_cli.session import Session
 from spec_cli.speculative.adaptive import draft_bound, time_forwards
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.draft_model import check_vocab_compatible
@@ -366,24 +367,23 @@ def run_spec(model: BenchModel, draft: BenchModel | None, inst: Instance, head: 
                       mtp_rollback=t.spec_mtp_rollback, **dict(t.ngram))
     opts = EngineOptions(n_ctx=max(len(p) for p in prompts) + t.n_gen + draft_max + 2, n_batch=inst.n_batch,
                          n_ubatch=inst.n_ubatch, spec=spec)
-    engine = assemble_engine(opts, model.loaded, model.tokenizer, draft.loaded if draft else None)
+    session = Session(assemble_engine(opts, model.loaded, model.tokenizer, draft.loaded if draft else None), spec)
     sampling = SamplingParams(temp=t.temp, seed=SEED)
     sampling.validate()
     sync = _sync_for(model)
-    used = False  # whether the engine's caches and drafters have seen tokens
+    used = False  # whether the session's caches and drafters have seen tokens
     if params.warmup:
-        _generate(engine, prompts[0], sampling, min(WARMUP_TOKENS, t.n_gen), sync, _Tally())
+        _generate(session, prompts[0], sampling, min(WARMUP_TOKENS, t.n_gen), sync, _Tally())
         used = True
     row = Result(**{**head, "n_prompt": sum(len(p) for p in prompts)})
     tally = _Tally()
     for rep in range(params.repetitions):
         if used and not params.warm:
-            engine.reset()
-            engine.chain = build_chain(engine)
+            session = session.renew()
         used = True
         ns_before, tokens_before = tally.gen_ns, tally.n_tokens
         for tokens in prompts:
-            _generate(engine, tokens, sampling, t.n_gen, sync, tally)
+            _generate(session, tokens, sampling, t.n_gen, sync, tally)
             progress.runs_done()
         ns = tally.gen_ns - ns_before
         row.samples_ns.append(ns)
@@ -393,10 +393,10 @@ def run_spec(model: BenchModel, draft: BenchModel | None, inst: Instance, head: 
     return row
 
 
-def _generate(engine: Engine, tokens: list[int], sampling: SamplingParams, n_predict: int,
+def _generate(session: Session, tokens: list[int], sampling: SamplingParams, n_predict: int,
               sync: Callable[[], None], tally: _Tally) -> None:
     """One prompt through the shared step loop; times the prefill and the generation phase apart."""
-    gen = engine.generator()
+    gen = session.generator()
     sync()
     t0 = time.perf_counter_ns()
     gen.start(0, tokens, sampling, n_predict)

@@ -11,7 +11,7 @@ from spec_cli.engine import Engine
 from spec_cli.errors import SpecCliError, UsageError
 from spec_cli.generate import Emitted, Sequence, generate
 from spec_cli.sampling import SamplingParams
-from spec_cli.speculative.adaptive import AUTO
+from spec_cli.session import Session
 
 
 def read_prompt(opts: dict, required: bool = True) -> str | None:
@@ -97,8 +97,8 @@ class RunResult:
     n_gen: int
     timings: dict = field(default_factory=dict)
 
-    def to_dict(self, engine: Engine) -> dict:
-        s = self.sequence
+    def to_dict(self, session: Session) -> dict:
+        s, engine = self.sequence, session.engine
         out = {
             "content": self.text,
             "finish_reason": s.finish_reason,
@@ -111,15 +111,15 @@ class RunResult:
             "predicted_ms": round(self.t_gen_ms, 3),
             "predicted_per_second": _rate(self.n_gen, self.t_gen_ms),
         }
-        if engine.chain is not None:
+        if session.chain is not None:
             out.update(
-                n_draft=AUTO if engine.spec.adaptive else engine.spec.draft_max,
+                n_draft=session.n_draft,
                 n_drafted=s.n_drafted,
                 n_accept=s.n_accepted,
                 accept=100.0 * s.n_accepted / s.n_drafted if s.n_drafted else 0.0,
                 n_steps=s.n_steps,
                 mean_acc_len=(s.n_steps + s.n_accepted) / s.n_steps if s.n_steps else 0.0,
-                drafters=[st.to_dict() for st in engine.chain.stats.values()],
+                drafters=[st.to_dict() for st in session.stats.values()],
                 time_split_ms={k: round(v, 3) for k, v in self.timings.items()},
             )
         return out
@@ -129,9 +129,9 @@ def _rate(n: int, ms: float) -> float:
     return round(n / ms * 1000.0, 3) if ms > 0 else 0.0
 
 
-def run_once(engine: Engine, tokens: list[int], sampling: SamplingParams, n_predict: int, sink) -> RunResult:
+def run_once(session: Session, tokens: list[int], sampling: SamplingParams, n_predict: int, sink) -> RunResult:
     """Prefill + generate one sequence; timings as llama.cpp's: prompt eval, then generation after the first token."""
-    gen = engine.generator()
+    gen, engine = session.generator(), session.engine
     t0 = time.perf_counter()
     seq = generate(gen, tokens, sampling, n_predict, on_emit=sink)
     total_ms = (time.perf_counter() - t0) * 1000

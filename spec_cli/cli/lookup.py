@@ -21,7 +21,7 @@ from spec_cli.cli.output import print_json, print_lookup_text_log, run_table, st
 from spec_cli.engine import build_engine
 from spec_cli.errors import UsageError
 from spec_cli.lookup import (
-    attach_lookup_chain, load_tokenizer, lookup_figures, merge_cache_files, save_dynamic_cache, simulate,
+    load_tokenizer, lookup_figures, merge_cache_files, open_lookup_session, save_dynamic_cache, simulate,
     tokenize_corpus,
 )
 from spec_cli.lookup_offline import build_static_cache
@@ -46,19 +46,18 @@ def lookup(
     draft_max, adaptive = draft_bound(parse_draft_max(opts["draft_max"]))
     text = read_prompt(opts)
     sampling = sampling_params(opts)
-    eopts = engine_options(opts)
-    eopts.spec = SpecParams(lookup_cache_static=opts["lookup_cache_static"],
-                            lookup_cache_dynamic=opts["lookup_cache_dynamic"], adaptive=adaptive)
-    engine = build_engine(eopts)
-    t_load_ms = attach_lookup_chain(engine, draft_max)
+    spec = SpecParams(lookup_cache_static=opts["lookup_cache_static"],
+                      lookup_cache_dynamic=opts["lookup_cache_dynamic"], adaptive=adaptive)
+    engine = build_engine(engine_options(opts))  # no spec types: the caches load in open_lookup_session, timed
+    session, t_load_ms = open_lookup_session(engine, spec, draft_max)
     tokens = prompt_tokens(engine, text, opts["conversation"], opts["chat_template"])
     sink = TextCollector(engine) if opts["json_output"] else TextStream(engine, color=color)
     if not opts["conversation"]:
         sink.echo(text)
-    result = run_once(engine, tokens, sampling, opts["n_predict"], sink)
+    result = run_once(session, tokens, sampling, opts["n_predict"], sink)
     if opts["lookup_cache_dynamic"]:
-        save_dynamic_cache(engine, result.sequence)
-    summary = {**result.to_dict(engine), **lookup_figures(engine, result.sequence, t_load_ms)}
+        save_dynamic_cache(session, result.sequence)
+    summary = {**result.to_dict(session), **lookup_figures(session, result.sequence, t_load_ms)}
     if opts["json_output"]:
         print_json(summary)
         return

@@ -12,9 +12,9 @@ import sys
 from spec_cli.cli.common import TextCollector, TextStream, prompt_tokens, read_prompt, run_once
 from spec_cli.cli.options import engine_options, sampling_params, with_options
 from spec_cli.cli.output import print_json, print_summary, stderr
-from spec_cli.engine import build_engine
 from spec_cli.generate import generate
 from spec_cli.options import MODEL, PROMPT, SAMPLING, SPEC
+from spec_cli.session import Session, open_session
 
 
 @with_options(MODEL, PROMPT, SAMPLING, SPEC)
@@ -23,16 +23,17 @@ def run(opts: dict) -> None:
     interactive = opts["conversation"] and sys.stdin.isatty() and not opts["json_output"]
     text = read_prompt(opts, required=not interactive)
     sampling = sampling_params(opts)
-    engine = build_engine(engine_options(opts))
+    session = open_session(engine_options(opts))
+    engine = session.engine
     if interactive:
-        chat_loop(engine, text, sampling, opts)
+        chat_loop(session, text, sampling, opts)
         return
     tokens = prompt_tokens(engine, text, opts["conversation"], opts["chat_template"])
     sink = TextCollector(engine) if opts["json_output"] else TextStream(engine)
     if not opts["conversation"]:
         sink.echo(text)
-    result = run_once(engine, tokens, sampling, opts["n_predict"], sink)
-    summary = result.to_dict(engine)
+    result = run_once(session, tokens, sampling, opts["n_predict"], sink)
+    summary = result.to_dict(session)
     if opts["json_output"]:
         print_json(summary)
     else:
@@ -40,12 +41,13 @@ def run(opts: dict) -> None:
         print_summary(summary)
 
 
-def chat_loop(engine, first: str | None, sampling, opts: dict) -> None:
+def chat_loop(session: Session, first: str | None, sampling, opts: dict) -> None:
     """Interactive conversation: the KV cache keeps the common prefix of the re-rendered chat between turns."""
+    engine = session.engine
     tok = engine.tokenizer
     messages: list[dict] = []
     cached: list[int] = []
-    gen = engine.generator()
+    gen = session.generator()
     message = first
     while True:
         if message is None:

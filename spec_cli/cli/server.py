@@ -16,9 +16,9 @@ from typing import Optional
 import typer
 
 from spec_cli.cli.options import engine_options, sampling_params, with_options
-from spec_cli.engine import build_engine
 from spec_cli.errors import UsageError
 from spec_cli.options import MODEL, SAMPLING, SPEC, default
+from spec_cli.session import open_session
 
 DEFAULT_PARALLEL = 4  # llama-server's -np auto
 
@@ -60,9 +60,9 @@ def server(
     settings = ServerSettings(alias=alias, api_key=api_key, metrics=metrics, slots=not no_slots,
                               n_predict=n_predict, sampling=sampling_params(opts), chat_template=chat_template,
                               allowed_hosts=[host, *(allowed_hosts or "").split(",")], max_body=max_body_mib << 20)
-    engine = build_engine(engine_options(opts, n_seq=parallel))
-    app = create_app(engine, settings)
-    types = ",".join(engine.chain.names) if engine.chain else "none"
+    session = open_session(engine_options(opts, n_seq=parallel))
+    app = create_app(session, settings)
+    engine, types = session.engine, ",".join(session.types) or "none"
     print(f"spec-cli server: http://{host}:{port}  model {engine.target.gguf.path.name}, {parallel} slots of "
           f"{engine.ctx.n_ctx_seq} tokens, --spec-type {types}", file=sys.stderr)
     return serve(app, host, port)

@@ -14,8 +14,8 @@ import typer
 from spec_cli.cli.common import TextCollector, TextStream, prompt_tokens, read_prompt, run_once
 from spec_cli.cli.options import engine_options, sampling_params, text_log, with_options
 from spec_cli.cli.output import print_json, print_summary, print_text_log
-from spec_cli.engine import build_engine
 from spec_cli.options import LOG, MODEL, PROMPT, SAMPLING, SPEC
+from spec_cli.session import open_session
 
 
 @with_options(MODEL, PROMPT, LOG, SAMPLING, SPEC)
@@ -27,13 +27,14 @@ def speculative_simple(
     text_lines = text_log(opts)
     text = read_prompt(opts)
     sampling = sampling_params(opts)
-    engine = build_engine(engine_options(opts, speculative=True))
+    session = open_session(engine_options(opts, speculative=True))
+    engine = session.engine
     tokens = prompt_tokens(engine, text, opts["conversation"], opts["chat_template"])
     sink = TextCollector(engine) if opts["json_output"] else TextStream(engine, color=color)
     if not opts["conversation"]:
         sink.echo(text)
-    result = run_once(engine, tokens, sampling, opts["n_predict"], sink)
-    summary = result.to_dict(engine)
+    result = run_once(session, tokens, sampling, opts["n_predict"], sink)
+    summary = result.to_dict(session)
     if opts["json_output"]:
         print_json(summary)
         return

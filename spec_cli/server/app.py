@@ -15,18 +15,18 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from spec_cli.engine import Engine
 from spec_cli.server import protocol as P
 from spec_cli.server.guard import RequestGuard
 from spec_cli.server.routes import ROUTES, ClientGone, Routes
 from spec_cli.server.scheduler import Scheduler
 from spec_cli.server.settings import ServerSettings
+from spec_cli.session import Session
 
 
-def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(session: Session, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
-    scheduler = Scheduler(engine)
-    routes = Routes(engine, scheduler, settings)
+    scheduler = Scheduler(session)
+    routes = Routes(scheduler, settings)
 
     @asynccontextmanager
     async def lifespan(_app):

@@ -1,5 +1,6 @@
 """The HTTP handlers of `spec-cli server` (llama-server's routes in tools/server/server.cpp) as methods of `Routes`,
-which holds what they share: the engine, its Scheduler (the engine thread) and the ServerSettings.
+which holds what they share: the Scheduler (the engine thread), its session's engine and spec settings, and the
+ServerSettings.
 
 A handler only parses, tokenizes, submits a Job and formats what comes back. Tokenizing and chat-template rendering
 run in worker threads, and a text prompt too long for a slot is refused from its length before it is tokenized. A
@@ -17,7 +18,6 @@ import uuid
 from fastapi import Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from spec_cli.engine import Engine
 from spec_cli.errors import SpecCliError
 from spec_cli.server import protocol as P
 from spec_cli.server.scheduler import Scheduler
@@ -43,11 +43,13 @@ class ClientGone(Exception):
 
 
 class Routes:
-    def __init__(self, engine: Engine, scheduler: Scheduler, settings: ServerSettings):
-        self.engine, self.scheduler, self.settings = engine, scheduler, settings
-        self.tok = engine.tokenizer
-        self.loaded = engine.chain.names if engine.chain else []  # the spec types a request may choose among
-        self.model_id = settings.alias or engine.target.gguf.path.name
+    def __init__(self, scheduler: Scheduler, settings: ServerSettings):
+        self.scheduler, self.settings = scheduler, settings
+        session = scheduler.session  # a renewed session keeps the engine and the spec settings
+        self.engine, self.spec = session.engine, session.spec
+        self.tok = self.engine.tokenizer
+        self.loaded = session.types  # the spec types a request may choose among
+        self.model_id = settings.alias or self.engine.target.gguf.path.name
         self.tok.min_tokens("")  # the vocabulary's bound is computed now, not in the first request
 
     # --- routes -----------------------------------------------------------------------------------------------
@@ -163,11 +165,11 @@ class Routes:
         if req.id_slot >= n_slots:
             raise P.ApiError(400, f"id_slot {req.id_slot} does not exist ({n_slots} slots)", param="id_slot")
         sampling = req.to_sampling(self.settings.sampling)
-        spec = req.to_spec(self.engine.spec, self.loaded)
+        spec = req.to_spec(self.spec, self.loaded)
         n_predict = self.settings.n_predict if n_predict is None else n_predict
         return Job(prompt=tokens, sampling=sampling, n_predict=n_predict, spec=spec, stop=req.stops(),
                    cache_prompt=req.cache_prompt, id_slot=req.id_slot,
-                   settings=P.generation_settings(req, sampling, n_predict, spec, self.engine.spec, self.loaded))
+                   settings=P.generation_settings(req, sampling, n_predict, spec, self.spec, self.loaded))
 
     # --- job -> events ----------------------------------------------------------------------------------------
 

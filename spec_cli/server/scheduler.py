@@ -1,6 +1,6 @@
 """The engine thread behind the HTTP routes (llama-server's `server_context::update_slots` + its task queue).
 
-One thread owns the Engine and its Generator. Routes `submit` a Job and read the task's asyncio queue; nothing
+One thread owns the Session (the engine with its drafter chain) and its Generator. Routes `submit` a Job and read the task's asyncio queue; nothing
 else touches the model. Each of the `-np` slots is one sequence id of the one target Context (n_ctx split
 across them). The loop, between generation steps:
 
@@ -27,10 +27,10 @@ import traceback
 from collections import deque
 from dataclasses import dataclass, field
 
-from spec_cli.engine import Engine, build_chain
 from spec_cli.errors import SpecCliError
 from spec_cli.generate import Emitted, Sequence
 from spec_cli.server.task import Completion, Delta, Failure, Job, Task
+from spec_cli.session import Session
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -66,11 +66,12 @@ class Counters:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
-        self.gen = engine.generator()
-        self.slots = [Slot(i) for i in range(engine.ctx.n_seq)]
+    def __init__(self, session: Session):
+        self.session = session  # renewed after an engine error; the engine and the spec settings stay
+        self.engine = session.engine
+        self.tokenizer = session.engine.tokenizer
+        self.gen = session.generator()
+        self.slots = [Slot(i) for i in range(self.engine.ctx.n_seq)]
         self.counters = Counters()
         self._pending: deque[Task] = deque()
         self._cond = threading.Condition()
@@ -273,17 +274,13 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - the thread must survive any bug to keep serving
             traceback.print_exc(file=sys.stderr)
             self._fail_all(Failure(f"internal error: {type(e).__name__}: {e}"), pending=False)
-            self._reset_engine()
+            self._start_cold()
 
-    def _reset_engine(self) -> None:
+    def _start_cold(self) -> None:
         """After an unexpected error no cache can be trusted: every slot starts cold (queued jobs still run).
         The drafter counters carry over, so /metrics totals never go back."""
-        self.engine.reset()
-        if self.engine.chain is not None:
-            stats = self.engine.chain.stats
-            self.engine.chain = build_chain(self.engine)
-            self.engine.chain.stats = stats
-        self.gen = self.engine.generator()
+        self.session = self.session.renew(keep_stats=True)
+        self.gen = self.session.generator()
         for slot in self.slots:
             slot.cached = []
 
@@ -302,7 +299,7 @@ class Scheduler:
     # --- views for /slots and /metrics (read from the event loop thread; plain reads of engine-thread state) ----
 
     def slots_info(self) -> list[dict]:
-        types = self.engine.chain.names if self.engine.chain else []
+        types = self.session.types
         out = []
         for slot in self.slots:
             task = slot.task or slot.last
@@ -337,16 +334,6 @@ class Scheduler:
 
     def spec_totals(self) -> dict:
         """Pooled speculation counters of every drafter (chain statistics)."""
-        totals = {"draft_tokens": 0, "accepted_tokens": 0, "drafts": 0, "accepted_per_pos": []}
-        if self.engine.chain is None:
-            return totals
-        for st in list(self.engine.chain.stats.values()):
-            totals["draft_tokens"] += st.n_gen_tokens
-            totals["accepted_tokens"] += st.n_acc_tokens
-            totals["drafts"] += st.n_gen_drafts
-            per_pos = totals["accepted_per_pos"]
-            counts = list(st.n_acc_tokens_per_pos)
-            per_pos.extend([0] * (len(counts) - len(per_pos)))
-            for i, n in enumerate(counts):
-                per_pos[i] += n
-        return totals
+        st = self.session.pooled_stats()
+        return {"draft_tokens": st.n_gen_tokens, "accepted_tokens": st.n_acc_tokens, "drafts": st.n_gen_drafts,
+                "accepted_per_pos": st.n_acc_tokens_per_pos}

@@ -84,6 +84,9 @@ class Drafter:
     # Drafting costs next to nothing (a lookup in the history). With --spec-select gain every cheap drafter proposes
     # and the best proposal wins; a drafter that pays a forward per drafted token is asked only where none proposed.
     cheap = True
+    # process() reads the target's hidden states of every decoded row (Context.last_hidden): the session keeps
+    # the target capturing them while a chain holding such a drafter lives (they cost memory otherwise)
+    reads_target_hidden = False
 
     def begin(self, seq: int, prompt: list[int]) -> None:
         pass

@@ -51,6 +51,7 @@ def check_rollback(value: str) -> str:
 class MTPDrafter(Drafter):
     name = "draft-mtp"
     cheap = False
+    reads_target_hidden = True
 
     def __init__(self, ctx: MTPContext, target: Context, params: SpecParams, n_seq: int,
                  n_max: int = MTP_DRAFT_MAX, p_min: float = MTP_DRAFT_P_MIN):
@@ -58,7 +59,6 @@ class MTPDrafter(Drafter):
             raise SpecCliError(f"MTP context has {ctx.n_seq} sequences, the target {target.n_seq}, expected {n_seq}")
         if ctx.n_ctx_seq < target.n_ctx_seq:
             raise SpecCliError("the MTP context must hold as many positions per sequence as the target's")
-        target.capture_hidden = True  # process() reads target.last_hidden after every target decode
         ctx.clear()  # a fresh drafter: no head row is final yet (n_done)
         self.ctx, self.target, self.params = ctx, target, params
         self.n_max, self.p_min = n_max, p_min
@@ -70,7 +70,8 @@ class MTPDrafter(Drafter):
     def process(self, batch: Batch) -> None:
         hidden = self.target.last_hidden  # [len(batch), D] target pre-norm states, batch order
         if hidden is None or hidden.shape[0] != len(batch):
-            raise SpecCliError("draft-mtp needs the target's hidden states of every decoded row (capture_hidden)")
+            raise SpecCliError("draft-mtp needs the target's hidden states of every decoded row (capture_hidden: "
+                               "open the drafter through a session.Session)")
         for seq, p0 in self.target_cache.record(batch).items():
             if seq in self.rows and p0 != self.rows[seq][0]:
                 del self.rows[seq]  # not the verify batch of the draft: its head rows are scratch

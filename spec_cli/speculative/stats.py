@@ -50,6 +50,7 @@ class DrafterStats:
             setattr(self, f, getattr(self, f) + getattr(other, f))
         for mine, theirs in ((self.n_acc_tokens_per_pos, other.n_acc_tokens_per_pos),
                              (self.n_gen_tokens_per_pos, other.n_gen_tokens_per_pos)):
+            theirs = list(theirs)  # a copy: the server pools a chain's counters while its drafters go on counting
             _grow(mine, len(theirs))
             for i, v in enumerate(theirs):
                 mine[i] += v

@@ -1,0 +1,97 @@
+"""A Session: one speculation configuration (SpecParams) running on a loaded, immutable Engine.
+
+    EngineOptions --build_engine--> Engine (models, contexts, tokenizer, cost model)
+    Engine + SpecParams --Session--> chain of drafters (+ planner), hidden-state capture, statistics
+    Session.generator() --> Generator (the step loop every command shares)
+
+A session owns what a configuration changes: the drafters the registry builds for its spec types (fresh, with
+empty n-gram state), the adaptive planner for --draft-max auto, and whether the target keeps its hidden states
+for a drafter that reads them (draft-mtp). Sessions share their engine's KV caches, so one lives at a time; other
+settings mean a new session (`renew`), never an assignment into the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from spec_cli.engine import Engine, EngineOptions, build_engine, implied_spec
+from spec_cli.generate import Generator
+from spec_cli.speculative.adaptive import AUTO, Planner
+from spec_cli.speculative.base import SpecParams
+from spec_cli.speculative.chain import Chain
+from spec_cli.speculative.registry import DrafterInputs, build_drafters
+from spec_cli.speculative.stats import DrafterStats
+
+
+class Session:
+    def __init__(self, engine: Engine, spec: SpecParams):
+        self.engine, self.spec = engine, spec
+        self.chain = build_chain(engine, spec)
+        # set either way, so a capture an earlier session's draft-mtp turned on does not outlive it
+        engine.ctx.capture_hidden = self.chain is not None and any(d.reads_target_hidden for d in self.chain.drafters)
+
+    @property
+    def types(self) -> list[str]:
+        """The spec types drafting in this session, in priority order (a server request may choose among them)."""
+        return self.chain.names if self.chain is not None else []
+
+    @property
+    def stats(self) -> dict[str, DrafterStats]:
+        """The chain's counters per drafter, since the session opened."""
+        return self.chain.stats if self.chain is not None else {}
+
+    @property
+    def n_draft(self) -> int | str:
+        """llama.cpp's n_draft figure of a run: the draft bound, or `auto` when the planner chooses."""
+        return AUTO if self.spec.adaptive else self.spec.draft_max
+
+    def pooled_stats(self) -> DrafterStats:
+        """Every drafter's counters added together (pooled counts, as the server's totals report them)."""
+        pooled = DrafterStats("all")
+        for st in list(self.stats.values()):  # the server reads this from another thread while drafters run
+            pooled.merge(st)
+        return pooled
+
+    def generator(self) -> Generator:
+        planner = self.chain.planner if self.chain is not None else None
+        return Generator(self.engine.ctx, self.engine.eog_ids, self.chain, self.spec.draft_max, self.spec.verify,
+                         planner)
+
+    def reset(self) -> None:
+        """Empty every KV cache (a fresh run). The drafters keep their state: n-gram state is reset per request by
+        `begin`, the ngram-mod pool and the planner's estimates stay (a new session starts them cold)."""
+        for ctx in self.engine.contexts:
+            ctx.clear()
+
+    def renew(self, keep_stats: bool = False, **spec_changes) -> Session:
+        """A cold session on the same engine, as a fresh process would start (empty caches, fresh drafters and
+        planner), with `spec_changes` applied to the settings; this one is closed. `keep_stats` carries the
+        drafter counters over (the server's totals never go back)."""
+        stats = self.stats
+        self.close()
+        self.reset()
+        fresh = Session(self.engine, replace(self.spec, **spec_changes))
+        if keep_stats and fresh.chain is not None:
+            fresh.chain.stats = stats
+        return fresh
+
+    def close(self) -> None:
+        """Stop the target keeping hidden states for this session's drafters."""
+        self.engine.ctx.capture_hidden = False
+        self.engine.ctx.last_hidden = None
+
+
+def open_session(opts: EngineOptions) -> Session:
+    """Load the models the options name and open a session with the options' speculation settings: how every
+    command and script gets its session."""
+    return Session(build_engine(opts), implied_spec(opts))
+
+
+def build_chain(engine: Engine, spec: SpecParams) -> Chain | None:
+    """Fresh drafters (empty n-gram state, cleared draft caches) for the spec types, in the registry's priority
+    order; with --draft-max auto, a fresh planner for them on the engine's cost model."""
+    n_seq = engine.ctx.n_seq
+    drafters = build_drafters(spec.types, DrafterInputs(spec, n_seq, engine.ctx, engine.draft_ctx, engine.mtp_ctx))
+    if not drafters:
+        return None
+    return Chain(drafters, n_seq, Planner(engine.costs, spec.draft_max) if spec.adaptive else None, spec.select)
