@@ -291,7 +291,7 @@ class Planner:
         self.next_probe: dict[str, int] = {}
         self.probe_gap: dict[str, int] = {}
         self.probing: set[str] = set()  # drafters granted a probe this step
-        self.probe_catch_up: dict[str, float] = {}  # seconds the last probe of a drafter spent catching up
+        self.probe_catch_up: dict[str, float] = {}  # seconds the last probe (or first ask) of a drafter caught up
 
     # --- planning -------------------------------------------------------------------------------------------
 
@@ -365,7 +365,8 @@ class Planner:
     def _probe_due(self, name: str) -> bool:
         if self.step < self.next_probe.get(name, 0):
             return False
-        self._schedule_probe(name, self.probe_gap.get(name, self._probe_gap_min(name)))
+        # the doubled gap, or longer where the last probe showed a dearer price than the gap was planned for
+        self._schedule_probe(name, max(self.probe_gap.get(name, 0), self._probe_gap_min(name)))
         return True
 
     def _schedule_probe(self, name: str, gap: int) -> None:
@@ -393,8 +394,10 @@ class Planner:
         self.draft_costs.setdefault(name, DraftCost()).observe(seconds, n_tokens)
 
     def observe_catch_up(self, name: str, seconds: float) -> None:
-        """Drafter `name` spent `seconds` bringing its cache up to date before drafting (its `catch_up`)."""
-        if name in self.probing:
+        """Drafter `name` spent `seconds` bringing its cache up to date before drafting (its `catch_up`). A probe's
+        catch-up prices the next probes; before the first probe, the first ask's (a draft model's prefill of the
+        prompt, about a probe's restart window) stands in for it, so the first probe is not scheduled as if free."""
+        if name in self.probing or name not in self.probe_catch_up:
             self.probe_catch_up[name] = seconds
 
     def observe_yield(self, name: str, n_asked: int, n_drafts: int) -> None:
