@@ -27,7 +27,8 @@ class DecodeOutput:
 
 class Context:
     def __init__(self, loaded: LoadedModel, n_ctx: int = default("ctx_size"), n_seq: int = 1,
-                 n_batch: int = default("batch_size"), n_ubatch: int = default("ubatch_size")):
+                 n_batch: int = default("batch_size"), n_ubatch: int = default("ubatch_size"),
+                 compile: str = "off"):
         if n_seq < 1:
             raise SpecCliError("n_seq must be at least 1")
         if n_ctx < n_seq:
@@ -48,9 +49,26 @@ class Context:
             for dev in self.model.layer_devices
         ]
         self.lengths = [0] * n_seq
+        self.step = None  # compiled.CompiledStep with --compile: decode/verify shapes run compiled, padded to buckets
+        self._compile = compile
+        if compile != "off":
+            self._init_compiled(compile)
         self.n_decode = 0  # number of decode calls (llama.cpp's n_eval/n_decode_total)
         self.capture_hidden = False  # keep every decode's hidden states in `last_hidden` (for MTP drafters)
         self.last_hidden: torch.Tensor | None = None  # [n_rows, n_embd] of the last decode, batch order
+
+    def _init_compiled(self, mode: str) -> None:
+        from spec_cli import compiled
+
+        model = self.model
+        on_cuda = any(d.type == "cuda" for d in model.layer_devices)
+        quantized = self.loaded.weights == "q"
+        if getattr(self.loaded, "shard", None) is not None:  # -tp: the followers' contexts are not compiled
+            return
+        if compiled.wanted(mode, model, on_cuda, quantized):
+            name = self.loaded.gguf.path.stem
+            self.step = compiled.CompiledStep(name, on_cuda)
+            self.step.prepare_cache(self.kv)
 
     @property
     def device(self) -> torch.device:
@@ -136,6 +154,11 @@ class Context:
             groups.setdefault(batch.seq_ids[i], []).append(i)
         seqs = list(groups)
         G, T = len(seqs), max(len(r) for r in groups.values())
+        step = self.step if self.step is not None and self.step.fits(G, T) and self.step.usable(self.model) else None
+        if step is not None:  # compiled: pad to the row buckets; padded groups read (never write) a real sequence
+            from spec_cli.compiled import bucket
+
+            G, T = bucket(G), bucket(T)
         tokens = [[0] * T for _ in range(G)]
         positions = [[0] * T for _ in range(G)]
         flat_of_row = {}
@@ -150,15 +173,23 @@ class Context:
         for seq in seqs:
             self.lengths[seq] += len(groups[seq])
         n_kv = max(self.lengths[s] for s in seqs)
-        plan = self._plan(seqs, positions, write_rows, write_seq, write_pos, n_kv)
+        if step is not None:
+            from spec_cli.compiled import kv_bucket
+
+            n_kv = kv_bucket(n_kv, self.n_ctx_seq)
+            seqs = seqs + [seqs[0]] * (G - len(seqs))
+        plan = self._plan(seqs, positions, write_rows, write_seq, write_pos, n_kv, index=step is not None)
         device = self.model.layer_devices[0]
         tokens_t = torch.tensor(tokens, dtype=torch.long, device=device)
         with torch.inference_mode():
-            hidden = self.model.forward_hidden(tokens_t, plan, self.kv)  # [G, T, D]
+            if step is not None:
+                hidden = self.model.forward_hidden(tokens_t, plan, self.kv, step=step)
+            else:
+                hidden = self.model.forward_hidden(tokens_t, plan, self.kv)  # [G, T, D]
         order = torch.tensor([flat_of_row[i] for i in rows], dtype=torch.long, device=hidden.device)
         return hidden.reshape(G * T, -1)[order]
 
-    def _plan(self, seqs, positions, write_rows, write_seq, write_pos, n_kv) -> ForwardPlan:
+    def _plan(self, seqs, positions, write_rows, write_seq, write_pos, n_kv, index: bool = False) -> ForwardPlan:
         device = self.model.layer_devices[0]
         as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
         pos = as_long(positions)  # [G, T]
@@ -166,7 +197,7 @@ class Context:
         causal = key_pos <= pos[..., None]  # [G, T, n_kv]; cells past a sequence's length are > any of its positions
         window = self.config.sliding_window
         swa = causal & (pos[..., None] - key_pos < window) if window and any(self.config.swa_layers) else None
-        contiguous = seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+        contiguous = not index and seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # index: compiled (no slice)
         kv_seqs = slice(seqs[0], seqs[0] + len(seqs)) if contiguous else as_long(seqs)
         return ForwardPlan(
             positions=pos,

@@ -66,6 +66,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.usable(x):
+            if torch.compiler.is_compiling():  # the same kernel, as a torch op (compiled.py registers it)
+                return torch.ops.spec_cli.rms_norm(x, self.weight, self.eps)
             return kernels.rms_norm(x, self.weight, self.eps)
         if x.dtype == self.weight.dtype:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -205,10 +207,20 @@ class Block(nn.Module):
         self.kernel: tuple[kernels.BlockDesc | None, tuple] | None = None
 
     def forward(self, x, plan, rope, k_cache, v_cache):
+        desc = self.kernel_for(x, k_cache)
+        if desc is not None:
+            return self._forward_kernels(desc, x, plan, k_cache, v_cache)
+        return self.forward_torch(x, plan, rope, k_cache, v_cache)
+
+    def kernel_for(self, x: torch.Tensor, k_cache: torch.Tensor) -> "kernels.BlockDesc | None":
+        """The sc_block descriptor when this call runs on the kernels (float32 CPU activations and cache, quantized
+        fused projections), else None (torch ops: forward_torch)."""
         if kernels.usable(x) and k_cache.dtype == torch.float32:
-            desc = self.kernel_desc()
-            if desc is not None:
-                return self._forward_kernels(desc, x, plan, k_cache, v_cache)
+            return self.kernel_desc()
+        return None
+
+    def forward_torch(self, x, plan, rope, k_cache, v_cache):
+        """The block in torch ops (float weights, CUDA); also what compiled.py compiles."""
         h = self.attn(self.attn_norm(x), plan, rope, k_cache, v_cache)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
@@ -285,13 +297,19 @@ class Transformer(nn.Module):
         self.output_device = torch.device("cpu")
         self.dtype = torch.float32
 
-    def forward_hidden(self, tokens: torch.Tensor, plan: ForwardPlan, kv: list[tuple[torch.Tensor, torch.Tensor]]):
-        """tokens [G, T] -> pre-final-norm hidden states [G, T, D] (on the last layer's device)."""
+    def forward_hidden(self, tokens: torch.Tensor, plan: ForwardPlan, kv: list[tuple[torch.Tensor, torch.Tensor]],
+                       step=None):
+        """tokens [G, T] -> pre-final-norm hidden states [G, T, D] (on the last layer's device). `step`, when given,
+        runs the blocks' loop (compiled.CompiledStep: the same blocks in one compiled graph; one device)."""
         cfg = self.cfg
         x = self.tok_embd(tokens).to(self.dtype)
         if cfg.embed_scale != 1.0:
             x = x * cfg.embed_scale
         plans: dict[torch.device, tuple] = {}
+        if step is not None:  # one graph for the whole loop below
+            ropes = {swa: rope_tables(plan.positions, cfg.rope_dim, base, cfg.rope_scale)
+                     for swa, base in ((False, cfg.rope_base), (True, cfg.rope_base_swa))}
+            return step(self, x, plan, ropes, kv)
         for layer, device, (k_cache, v_cache) in zip(self.layers, self.layer_devices, kv):
             if device not in plans:
                 p = plan if plan.positions.device == device else plan.to(device)

@@ -185,10 +185,17 @@ class BlockDesc(ctypes.Structure):
 def block(desc: BlockDesc, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], row_seq: torch.Tensor,
           row_pos: torch.Tensor, row_write: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     """One decoder block over rows x [R, D] float32 contiguous -> [R, D]; rope, rows and caches as for qkv_prep."""
+    return block_at(ctypes.addressof(desc), x, rope, row_seq, row_pos, row_write, k_cache, v_cache)
+
+
+def block_at(desc: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], row_seq: torch.Tensor,
+             row_pos: torch.Tensor, row_write: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """`block` with the descriptor given by its address (the torch custom op, compiled.py, passes it as a number)."""
     _sync_threads()
-    out = torch.empty_like(x)
+    out = torch.empty_like(x) if out is None else out
     cos, sin = rope
-    rc = _lib.sc_block(ctypes.addressof(desc), x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(),
+    rc = _lib.sc_block(desc, x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(),
                        row_seq.data_ptr(), row_pos.data_ptr(), row_write.data_ptr(), k_cache.data_ptr(),
                        v_cache.data_ptr(), k_cache.shape[2], out.data_ptr())
     if rc:

@@ -1,0 +1,262 @@
+"""`--compile`: the decode/verify step's decoder blocks through `torch.compile` (CPU: inductor; CUDA: CUDA graphs).
+
+What is compiled: each decoder block of a Transformer (`model.Block`), as one region reused by every layer of the
+same kind (torch's "regional compilation": the layers' weights are graph inputs, so a 30-block model compiles one
+graph per row shape, not 30), over the static KV cache, for decode and verify shapes only: G sequences of T rows
+with G, T padded up to the next ROW_BUCKETS size (1, 2, 4, 8, 16; prompt chunks of more rows run eager) and the
+attended key range padded to a power of two (at least 64, at most the cache); padded rows are never written to the
+cache and padded keys are masked, so the step sees only shapes from a short list.
+
+- Float weights (`--dtype f32/bf16/f16`, CUDA): the torch ops of `Block.forward_torch` (norms, projections, rope,
+  cache writes, attention, FFN) become one inductor kernel set per shape. On CUDA the compile mode is
+  "reduce-overhead": one CUDA graph per shape (cudagraph trees), the KV caches marked as static addresses so the
+  graphs write them in place.
+- Quantized weights on the CPU (the default there): the block is already one C++ call (kernels.cpp `sc_block`);
+  it is registered as the torch custom op `spec_cli::block` (with a fake implementation, mutating the caches) so
+  the region compiles without a graph break, but the graph is that one call: nothing is left to fuse, so `auto`
+  leaves it eager there (README, "Compiled decode").
+
+Caches: dynamo's compiled frames live in the process; inductor's FX graph cache and AOTAutograd's cache (torch's
+defaults) are kept under `TORCHINDUCTOR_CACHE_DIR`, which spec-cli points at `~/.cache/spec-cli/torch-compile`
+(`SPEC_CLI_CACHE` moves it) unless the environment already sets it, so a second run skips code generation and the
+C++ compiler. A compile that takes longer than half a second shows a progress line on stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from spec_cli import kernels
+from spec_cli.errors import UsageError
+from spec_cli.model import Block, ForwardPlan, Transformer, rope_table
+
+MODES = ("auto", "on", "off")
+ROW_BUCKETS = (1, 2, 4, 8, 16)  # sequences per step and rows per sequence, each padded up to one of these
+MIN_KV = 64  # the attended key range is padded to a power of two, at least this (at most the cache)
+
+
+def check_mode(value: str) -> str:
+    if value not in MODES:
+        raise UsageError(f"--compile must be one of {', '.join(MODES)}, got {value!r}")
+    return value
+
+
+def bucket(n: int) -> int | None:
+    """The row bucket n is padded to, None when n is over the largest (that step runs eager)."""
+    for b in ROW_BUCKETS:
+        if n <= b:
+            return b
+    return None
+
+
+def kv_bucket(n_kv: int, n_ctx_seq: int) -> int:
+    return min(n_ctx_seq, max(MIN_KV, 1 << max(n_kv - 1, 0).bit_length()))
+
+
+def wanted(mode: str, model, on_cuda: bool, quantized: bool) -> bool:
+    """Whether a context compiles its model's step: `on` always (where the model is a plain Transformer), `auto`
+    where it measurably wins: the float path on the CPU (measured: README); not the quantized CPU path (one C++
+    call per block already) and not CUDA until it has run on a GPU."""
+    check_mode(mode)
+    if mode == "off" or not isinstance(model, Transformer):
+        return False
+    if mode == "on":
+        return True
+    return not on_cuda and not quantized and AUTO_FLOAT_CPU
+
+
+AUTO_FLOAT_CPU = False  # set from the measurements (README "Compiled decode")
+
+
+# --- the C++ block as a torch custom op --------------------------------------------------------------------------
+
+_registered = False
+
+
+def register_ops() -> None:
+    """`torch.ops.spec_cli.block`: kernels.block_at as an op dynamo can put in a graph (writes k/v caches in place)."""
+    global _registered
+    if _registered:
+        return
+
+    @torch.library.custom_op("spec_cli::block", mutates_args=("k_cache", "v_cache"), device_types="cpu")
+    def block_op(desc: torch.Tensor, window: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 row_seq: torch.Tensor, row_pos: torch.Tensor, row_write: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor) -> torch.Tensor:
+        addr = int(desc)
+        kernels.BlockDesc.from_address(addr).window = window
+        return kernels.block_at(addr, x, (cos, sin), row_seq, row_pos, row_write, k_cache, v_cache)
+
+    @block_op.register_fake
+    def _(desc, window, x, cos, sin, row_seq, row_pos, row_write, k_cache, v_cache):
+        return torch.empty_like(x)
+
+    @torch.library.custom_op("spec_cli::rms_norm", mutates_args=(), device_types="cpu")
+    def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return kernels.rms_norm(x, weight, eps)
+
+    @rms_norm_op.register_fake
+    def _(x, weight, eps):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    _registered = True
+
+
+def _layers(model: Transformer, x, positions, write_rows, write_seq, write_pos, kv_seqs, mask_full, mask_swa,
+            ropes, kv, descs, windows, tables, row_seq, row_pos, row_write):
+    """Every decoder block of one step (Transformer.forward_hidden's loop), as one graph: on the kernels (descs
+    given: the `spec_cli::block` op per layer) or in torch ops (Block.forward_torch)."""
+    plan = ForwardPlan(positions, write_rows, write_seq, write_pos, kv_seqs, mask_full.shape[-1], mask_full, mask_swa)
+    G, T, D = x.shape
+    for i, layer in enumerate(model.layers):
+        k_cache, v_cache = kv[i]
+        if descs is not None:
+            cos, sin = tables[int(layer.swa)]
+            x = torch.ops.spec_cli.block(descs[i], windows[i], x.reshape(G * T, D), cos, sin, row_seq, row_pos,
+                                         row_write, k_cache, v_cache).view(G, T, D)
+        else:
+            x = layer.forward_torch(x, plan, ropes[int(layer.swa)], k_cache, v_cache)
+    return x
+
+
+# --- the step -----------------------------------------------------------------------------------------------------
+
+def use_cache_dir() -> str:
+    """Point inductor's on-disk caches at spec-cli's cache (unless TORCHINDUCTOR_CACHE_DIR is set); returns it."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        from spec_cli.models import cache_dir
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "torch-compile")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def _configure() -> None:
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
+    # one graph per (row bucket, layer kind) and per key bucket on CUDA: more than dynamo's default 8 per function
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, 256)
+    if hasattr(dynamo_config, "accumulated_recompile_limit"):
+        dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4096)
+    inductor_config.fx_graph_cache = True
+
+
+@dataclass
+class CompileStats:
+    graphs: int = 0  # compiles (dynamo frames) this step caused
+    seconds: float = 0.0  # wall time of the calls that compiled
+
+
+class CompiledStep:
+    """Runs one decoder block of a step compiled (`Transformer.forward_hidden(..., step=)`); Context pads the step's
+    rows to ROW_BUCKETS (`fits`, `bucket`) before it calls the model."""
+
+    def __init__(self, name: str, cuda: bool):
+        use_cache_dir()
+        _configure()
+        register_ops()
+        self.name, self.cuda = name, cuda
+        self.stats = CompileStats()
+        if cuda:
+            # one CUDA graph per shape: static shapes (dynamic=False), graphs replayed by cudagraph trees
+            self._fn = torch.compile(_layers, mode="reduce-overhead", dynamic=False, fullgraph=True)
+        else:
+            self._fn = torch.compile(_layers, fullgraph=True)
+        self._descs: dict[int, torch.Tensor] = {}  # id(BlockDesc) -> its address as a tensor (no guard on it)
+        self._call: tuple[float, int, int] | None = None  # (start, G, T) of the block call in flight
+        self._watcher: threading.Thread | None = None
+
+    @staticmethod
+    def fits(n_groups: int, n_rows: int) -> bool:
+        return bucket(n_groups) is not None and bucket(n_rows) is not None
+
+    def prepare_cache(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """CUDA graphs write the caches in place: their addresses must be static."""
+        if self.cuda:
+            for k, v in kv:
+                torch._dynamo.mark_static_address(k)
+                torch._dynamo.mark_static_address(v)
+
+    def usable(self, model: Transformer) -> bool:
+        """One graph per step needs every block on one device (-ngl splits run eager)."""
+        return len(set(model.layer_devices)) == 1
+
+    def __call__(self, model: Transformer, x: torch.Tensor, plan: ForwardPlan, ropes: dict, kv) -> torch.Tensor:
+        """x [G, T, D] after the embedding -> after the last block; the caches written as eager writes them."""
+        G, T, _ = x.shape
+        cfg = model.cfg
+        descs = windows = tables = None
+        first = model.layers[0].kernel_for(x, kv[0][0])
+        if first is not None:
+            descs, windows = [], []
+            for layer, (k_cache, _) in zip(model.layers, kv):
+                desc = layer.kernel_for(x, k_cache)
+                addr = self._descs.get(id(desc))
+                if addr is None:
+                    addr = self._descs[id(desc)] = torch.tensor(kernels.ctypes.addressof(desc), dtype=torch.int64)
+                descs.append(addr)
+                windows.append((cfg.sliding_window or 0) if layer.swa else 0)
+            tables = [rope_table(cfg.rope_dim, base, cfg.rope_scale, plan.n_kv)
+                      for base in (cfg.rope_base, cfg.rope_base_swa)]
+            row_args = (plan.row_seq, plan.row_pos, plan.row_write)
+        else:
+            row_args = (None, None, None)
+        if not self.cuda:  # the key range is a symbol from the first compile (else: one recompile on its change)
+            for mask in (plan.mask_full, plan.mask_swa):
+                if mask is not None:
+                    torch._dynamo.maybe_mark_dynamic(mask, 3)
+        args = (model, x, plan.positions, plan.write_rows, plan.write_seq, plan.write_pos, plan.kv_seqs,
+                plan.mask_full, plan.mask_swa, [ropes[False], ropes[True]], kv, descs, windows, tables, *row_args)
+        return self._timed(self._fn, args, G, T)
+
+    def _timed(self, fn, args, G: int, T: int):
+        from torch._dynamo.utils import counters
+
+        before = counters["stats"]["unique_graphs"]
+        t0 = time.perf_counter()
+        self._call = (t0, G, T)  # the watcher thread shows a progress line while a call lasts over half a second
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, daemon=True, name="spec-cli-compile-progress")
+            self._watcher.start()
+        try:
+            return fn(*args)
+        finally:
+            self._call = None
+            graphs = counters["stats"]["unique_graphs"] - before
+            if graphs:
+                self.stats.graphs += graphs
+                self.stats.seconds += time.perf_counter() - t0
+
+    def _watch(self) -> None:
+        """Polls the call in flight; one that lasts over half a second is compiling: a line on stderr, its seconds
+        rewritten in place on a terminal, and the total when it ends."""
+        shown = None
+        while True:
+            time.sleep(0.25)
+            call = self._call
+            if shown is not None and call is not shown:
+                t0, G, T = shown
+                lead = "\r" if sys.stderr.isatty() else "\n"
+                sys.stderr.write(f"{lead}compiling {self.name} decode step ({G} x {T} rows): done in "
+                                 f"{time.perf_counter() - t0:.1f} s\n")
+                sys.stderr.flush()
+                shown = None
+            if call is None or time.perf_counter() - call[0] < 0.5:
+                continue
+            t0, G, T = call
+            if shown is None:
+                shown = call
+                sys.stderr.write(f"compiling {self.name} decode step ({G} x {T} rows) with torch.compile ...")
+                sys.stderr.flush()
+            elif sys.stderr.isatty():
+                sys.stderr.write(f"\rcompiling {self.name} decode step ({G} x {T} rows): "
+                                 f"{time.perf_counter() - t0:.0f} s")
+                sys.stderr.flush()
