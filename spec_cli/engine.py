@@ -38,6 +38,7 @@ class EngineOptions:
     n_gpu_layers_draft: int = DEFAULT_GPU_LAYERS
     dtype: str = default("dtype")
     tensor_parallel: int = default("tensor_parallel")  # ranks the target is sharded over (tensor_parallel.py)
+    compile: str = default("compile")  # --compile: the target's and draft model's step compiled (compiled.py)
     spec: SpecParams = field(default_factory=SpecParams)
 
 
@@ -123,9 +124,9 @@ def assemble_engine(opts: EngineOptions, target: LoadedModel, tokenizer: Tokeniz
     """Contexts and, for draft-mtp, the MTP head around loaded models (`draft` when the types hold draft-simple).
     Separate from loading because bench keeps its models loaded across tests."""
     n_ctx = opts.n_ctx if opts.n_ctx > 0 else target.config.n_ctx_train
-    ctx = context_class(target)(target, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
+    ctx = context_class(target)(target, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch, compile=opts.compile)
     # the draft context has the target's n_ctx (a smaller one crashed llama.cpp, #22554)
-    draft_ctx = Context(draft, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch) if draft else None
+    draft_ctx = Context(draft, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch, compile=opts.compile) if draft else None
     mtp_ctx = None
     if "draft-mtp" in opts.spec.types:
         head = load_mtp_head(target)

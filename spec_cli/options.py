@@ -91,6 +91,9 @@ MODEL = ("Model and context", [
         "them, or torchrun --nproc-per-node N starts them", ge=1),
     Opt("dtype", str, "auto", ("--dtype",),
         "auto (q on the CPU, bf16 on CUDA) | q (GGUF weights kept quantized on the CPU, 3-4x faster than f32) | f32 | f16 | bf16"),
+    Opt("compile", str, "auto", ("--compile",),
+        "auto | on | off: the decode/verify step (target and draft model) through torch.compile, CUDA graphs on "
+        "CUDA; auto = off where it has not measurably won (everywhere so far: README)"),
 ])
 
 SAMPLING = ("Sampling", [
@@ -213,6 +216,8 @@ BENCH = [
             f"on | off | auto: recorded in the rows, no effect: {NO_EFFECT['-fa']}", sweep=True),
         _swept("n_gpu_layers"),
         _swept("dtype"),
+        _swept("compile", help="auto | on | off: torch.compile / CUDA graphs for the decode step (compile time "
+               "in the rows)"),
         OPTIONS["tensor_parallel"],  # one value: a command holds one group of ranks
     ]),
     ("Speculative sweep (lists)", [

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 import typer
 
+from spec_cli.compiled import check_mode
 from spec_cli.engine import EngineOptions
 from spec_cli.errors import UsageError
 from spec_cli.loader import parse_device
@@ -143,7 +144,7 @@ def engine_options(opts: dict, n_seq: int = 1, speculative: bool = False) -> Eng
         n_batch=opts["batch_size"], n_ubatch=opts["ubatch_size"], n_seq=n_seq, threads=opts["threads"],
         device=opts["device"], n_gpu_layers=n_gpu_layers, device_draft=opts.get("device_draft"),
         n_gpu_layers_draft=n_gpu_layers_draft, dtype=opts["dtype"], tensor_parallel=opts["tensor_parallel"],
-        spec=spec,
+        compile=check_mode(opts["compile"]), spec=spec,
     )
 
 
