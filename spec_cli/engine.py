@@ -51,7 +51,7 @@ class Engine:
     ctx: Context
     draft: LoadedModel | None = None
     draft_ctx: Context | None = None
-    mtp_ctx: Context | None = None  # the target's NextN head with its own KV (draft-mtp)
+    mtp_ctx: MTPContext | None = None  # the target's NextN head with its own KV (draft-mtp)
     costs: CostModel = field(default_factory=CostModel)  # --draft-max auto: the target's verify cost, calibrated once
 
     @property
