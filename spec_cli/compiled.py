@@ -173,6 +173,8 @@ class CompiledStep:
         self._descs: dict[int, torch.Tensor] = {}  # id(BlockDesc) -> its address as a tensor (no guard on it)
         self._call: tuple[float, int, int] | None = None  # (start, G, T) of the block call in flight
         self._watcher: threading.Thread | None = None
+        self._shown: tuple[float, int, int] | None = None  # the call the progress line is about
+        self._lock = threading.Lock()
 
     @staticmethod
     def fits(n_groups: int, n_rows: int) -> bool:
@@ -222,14 +224,21 @@ class CompiledStep:
 
         before = counters["stats"]["unique_graphs"]
         t0 = time.perf_counter()
-        self._call = (t0, G, T)  # the watcher thread shows a progress line while a call lasts over half a second
+        call = (t0, G, T)
+        self._call = call  # the watcher thread shows a progress line while a call lasts over half a second
         if self._watcher is None:
             self._watcher = threading.Thread(target=self._watch, daemon=True, name="spec-cli-compile-progress")
             self._watcher.start()
         try:
             return fn(*args)
         finally:
-            self._call = None
+            with self._lock:
+                self._call = None
+                if self._shown is call:
+                    what = f"\rcompiling {self.name} decode step ({G} x {T} rows):" if sys.stderr.isatty() else ""
+                    sys.stderr.write(f"{what} done in {time.perf_counter() - t0:.1f} s\n")
+                    sys.stderr.flush()
+                self._shown = None
             graphs = counters["stats"]["unique_graphs"] - before
             if graphs:
                 self.stats.graphs += graphs
@@ -237,26 +246,18 @@ class CompiledStep:
 
     def _watch(self) -> None:
         """Polls the call in flight; one that lasts over half a second is compiling: a line on stderr, its seconds
-        rewritten in place on a terminal, and the total when it ends."""
-        shown = None
+        rewritten in place on a terminal (the call ends the line)."""
         while True:
             time.sleep(0.25)
-            call = self._call
-            if shown is not None and call is not shown:
-                t0, G, T = shown
-                lead = "\r" if sys.stderr.isatty() else "\n"
-                sys.stderr.write(f"{lead}compiling {self.name} decode step ({G} x {T} rows): done in "
-                                 f"{time.perf_counter() - t0:.1f} s\n")
-                sys.stderr.flush()
-                shown = None
-            if call is None or time.perf_counter() - call[0] < 0.5:
-                continue
-            t0, G, T = call
-            if shown is None:
-                shown = call
-                sys.stderr.write(f"compiling {self.name} decode step ({G} x {T} rows) with torch.compile ...")
-                sys.stderr.flush()
-            elif sys.stderr.isatty():
-                sys.stderr.write(f"\rcompiling {self.name} decode step ({G} x {T} rows): "
-                                 f"{time.perf_counter() - t0:.0f} s")
+            with self._lock:
+                call = self._call
+                if call is None or time.perf_counter() - call[0] < 0.5:
+                    continue
+                t0, G, T = call
+                if self._shown is not call:
+                    self._shown = call
+                    sys.stderr.write(f"compiling {self.name} decode step ({G} x {T} rows) with torch.compile ...")
+                elif sys.stderr.isatty():
+                    sys.stderr.write(f"\rcompiling {self.name} decode step ({G} x {T} rows): "
+                                     f"{time.perf_counter() - t0:.0f} s")
                 sys.stderr.flush()

@@ -28,7 +28,7 @@ class DecodeOutput:
 class Context:
     def __init__(self, loaded: LoadedModel, n_ctx: int = default("ctx_size"), n_seq: int = 1,
                  n_batch: int = default("batch_size"), n_ubatch: int = default("ubatch_size"),
-                 compile: str = "off"):
+                 compile: str = "off"):  # --compile (options: auto), off here: contexts made outside the engine
         if n_seq < 1:
             raise SpecCliError("n_seq must be at least 1")
         if n_ctx < n_seq:

@@ -121,11 +121,11 @@ def test_md_spec_table_adds_swept_drafting_columns():
 def test_csv_quotes_every_value():
     assert format_csv(dicts(PP)) == (
         "build_commit,build_version,torch_version,cpu_info,gpu_info,backends,device,dtype,model_filename,model_type,"
-        "model_size,model_n_params,n_batch,n_ubatch,n_threads,n_gpu_layers,flash_attn,devices,test,n_prompt,n_gen,"
-        "n_depth,test_time,avg_ns,stddev_ns,avg_ts,stddev_ts\n"
+        "model_size,model_n_params,n_batch,n_ubatch,n_threads,n_gpu_layers,flash_attn,compile,devices,test,n_prompt,"
+        "n_gen,n_depth,test_time,avg_ns,stddev_ns,avg_ts,stddev_ts,compile_s\n"
         '"abc1234","0.1.0","2.13.0","Test CPU","","CPU","cpu","f32","/models/qwen.gguf","qwen2 0.5B Q4_K_M",'
-        '"491400064","494032768","2048","512","2","-1","-1","auto","pp","512","0","0","2026-01-02T03:04:05Z",'
-        '"4048000000","67882250","126.500000","2.121320"\n')
+        '"491400064","494032768","2048","512","2","-1","-1","auto","auto","pp","512","0","0",'
+        '"2026-01-02T03:04:05Z","4048000000","67882250","126.500000","2.121320","0.000000"\n')
     quoted = row("pp", 1, 0, [1_000_000_000])
     quoted.cpu_info = 'CPU "fast", 2 cores'
     assert '"CPU ""fast"", 2 cores"' in format_csv(dicts(quoted))
@@ -160,14 +160,15 @@ def test_sql():
     head, insert = sql.split(");\n\n")
     assert head.splitlines()[:3] == ["CREATE TABLE IF NOT EXISTS llama_bench (", "  build_commit TEXT,",
                                      "  build_version TEXT,"]
-    assert "  model_size INTEGER,\n" in head and "  avg_ts REAL,\n" in head and head.endswith("  stddev_ts REAL\n")
+    assert "  model_size INTEGER,\n" in head and "  avg_ts REAL,\n" in head and head.endswith("  stddev_ts REAL,\n  compile_s REAL\n")
     assert insert == (
         "INSERT INTO llama_bench (build_commit, build_version, torch_version, cpu_info, gpu_info, backends, device, "
         "dtype, model_filename, model_type, model_size, model_n_params, n_batch, n_ubatch, n_threads, n_gpu_layers, "
-        "flash_attn, devices, test, n_prompt, n_gen, n_depth, test_time, avg_ns, stddev_ns, avg_ts, stddev_ts) VALUES "
+        "flash_attn, compile, devices, test, n_prompt, n_gen, n_depth, test_time, avg_ns, stddev_ns, avg_ts, stddev_ts, "
+        "compile_s) VALUES "
         "('abc1234', '0.1.0', '2.13.0', 'Test CPU', '', 'CPU', 'cpu', 'f32', '/models/qwen.gguf', "
-        "'qwen2 0.5B Q4_K_M', '491400064', '494032768', '2048', '512', '2', '-1', '-1', 'auto', 'pp', '512', '0', "
-        "'0', '2026-01-02T03:04:05Z', '4048000000', '67882250', '126.500000', '2.121320');\n")
+        "'qwen2 0.5B Q4_K_M', '491400064', '494032768', '2048', '512', '2', '-1', '-1', 'auto', 'auto', 'pp', '512', "
+        "'0', '0', '2026-01-02T03:04:05Z', '4048000000', '67882250', '126.500000', '2.121320', '0.000000');\n")
     odd = row("pp", 1, 0, [1_000_000_000])
     odd.cpu_info = "it's"
     assert "'it''s'" in format_sql(dicts(odd))

@@ -19,7 +19,7 @@ from spec_cli.speculative.base import SpecParams
 BUILD_FIELDS = ("build_commit", "build_version", "torch_version", "cpu_info", "gpu_info", "backends")
 RUN_FIELDS = ("device", "dtype")
 MODEL_FIELDS = ("model_filename", "model_type", "model_size", "model_n_params")
-PARAM_FIELDS = ("n_batch", "n_ubatch", "n_threads", "n_gpu_layers", "flash_attn", "devices")
+PARAM_FIELDS = ("n_batch", "n_ubatch", "n_threads", "n_gpu_layers", "flash_attn", "compile", "devices")
 SHAPE_FIELDS = ("test", "n_prompt", "n_gen", "n_depth")
 # the n-gram drafters' own settings (SpecParams' ngram_* fields, llama.cpp's --spec-ngram-* flags), each read by the
 # drafter it is named after: empty on rows whose chain lacks that drafter
@@ -34,7 +34,7 @@ SPEC_FIELDS = ("prompt_set", "n_prompts") + CASE_FIELDS + (
     "n_drafted", "n_accepted", "n_steps", "acceptance", "mean_acc_len", "tokens_per_step", "acc_per_pos", "prompt_ns",
     "draft_ms", "verify_ms", "speedup")
 VERIFY_FIELDS = ("verify_k", "cost_ratio", "break_even_len", "break_even_acc")
-RESULT_FIELDS = ("test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts")
+RESULT_FIELDS = ("test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts", "compile_s")
 
 # fields that identify a test across runs (compare matches rows on these)
 KEY_FIELDS = (("model_filename", "backends", "dtype") + PARAM_FIELDS[:-1] + SHAPE_FIELDS + ("prompt_set",) + CASE_FIELDS
@@ -44,7 +44,7 @@ INT_FIELDS = {"model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads"
               "n_prompt", "n_gen", "n_depth", "n_prompts", "n_gpu_layers_draft", "draft_max", "draft_min", "n_drafted",
               "n_accepted", "n_steps", "prompt_ns", "verify_k", "avg_ns", "stddev_ns", *NGRAM_FIELDS}
 FLOAT_FIELDS = {"temp", "draft_p_min", "acceptance", "mean_acc_len", "tokens_per_step", "draft_ms", "verify_ms",
-                "speedup", "cost_ratio", "break_even_len", "break_even_acc", "avg_ts", "stddev_ts"}
+                "speedup", "cost_ratio", "break_even_len", "break_even_acc", "avg_ts", "stddev_ts", "compile_s"}
 BOOL_FIELDS = {"warm"}
 LIST_FIELDS = {"acc_per_pos"}
 
@@ -85,6 +85,8 @@ class Result:
     samples_ts: list[float] = field(default_factory=list)  # tokens (or verify rows) per second, per sample
     spec: dict | None = None  # SPEC_FIELDS for kind spec
     verify: dict | None = None  # VERIFY_FIELDS for kind verify
+    compile: str = "auto"  # --compile (an engine parameter, after flash_attn in print order)
+    compile_s: float = 0.0  # seconds this test's calls spent compiling (torch.compile; 0 when cached or eager)
 
     @property
     def avg_ns(self) -> int:
@@ -112,7 +114,8 @@ class Result:
         out.update(spec or {})
         out.update(verify or {})
         out.update(test_time=self.test_time, avg_ns=self.avg_ns, stddev_ns=self.stddev_ns, avg_ts=self.avg_ts,
-                   stddev_ts=self.stddev_ts, samples_ns=samples_ns, samples_ts=samples_ts)
+                   stddev_ts=self.stddev_ts, compile_s=round(d["compile_s"], 2), samples_ns=samples_ns,
+                   samples_ts=samples_ts)
         return out
 
 

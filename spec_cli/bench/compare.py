@@ -50,7 +50,7 @@ def load_results(path: str | Path) -> list[dict]:
 
 def row_key(row: dict) -> tuple:
     def norm(field):
-        v = row.get(field)
+        v = row.get(field, "auto" if field == "compile" else None)  # rows written before --compile existed
         return Path(v).name if field in ("model_filename", "model_draft") and v else v
 
     return tuple(json.dumps(norm(f)) for f in KEY_FIELDS)

@@ -29,6 +29,7 @@ from spec_cli.models import registry_entry
 from spec_cli.options import BENCH_OPTIONS, DEFAULT_GPU_LAYERS, parse_gpu_layers
 from spec_cli.speculative.adaptive import AUTO, parse_draft_max
 from spec_cli.speculative.chain import check_select, parse_spec_types
+from spec_cli.compiled import check_mode
 from spec_cli.speculative.mtp import check_rollback
 from spec_cli.speculative.verify import VERIFY_MODES
 
@@ -167,6 +168,7 @@ class BenchParams:
     devices: list[str] = _default("devices")
     flash_attn: list[int] = field(default_factory=lambda: parse_flash_attn(None))  # recorded only (torch SDPA picks)
     dtype: list[str] = _default("dtype")
+    compile: list[str] = _default("compile")  # --compile: auto | on | off (compiled.py)
     # speculative sweep
     spec_type: list[str] = field(default_factory=list)  # chains, canonical names joined by ','
     model_draft: list[str] = field(default_factory=list)
@@ -214,6 +216,8 @@ class BenchParams:
             check_select(value)
         for value in self.spec_mtp_rollback:
             check_rollback(value)
+        for value in self.compile:
+            check_mode(value)
         if self.repetitions < 1:
             raise UsageError("-r must be at least 1")
         if self.verify_cost < 0:
@@ -258,6 +262,7 @@ class Instance:
     n_ubatch: int
     flash_attn: int
     n_threads: int
+    compile: str  # innermost: compiled and eager runs of one setting side by side
     test: Test
 
     def engine_key(self) -> tuple:
@@ -356,6 +361,7 @@ def from_flags(flags: dict) -> BenchParams:
         devices=parse_str_list(flags.get("devices"), d.devices),
         flash_attn=parse_flash_attn(flags.get("flash_attn")),
         dtype=parse_str_list(flags.get("dtype"), d.dtype),
+        compile=parse_str_list(flags.get("compile"), d.compile),
         spec_type=spec_type,
         model_draft=model_draft,
         n_gpu_layers_draft=parse_gpu_layers_list(flags.get("n_gpu_layers_draft"), d.n_gpu_layers_draft, "-ngld"),

@@ -23,7 +23,8 @@ _MD_PARAMS = {"n_gpu_layers": ("ngl", 3), "n_threads": ("threads", 7), "n_batch"
               "n_ubatch": ("n_ubatch", 8), "flash_attn": ("fa", 3), "devices": ("devices", -8),
               "model_draft": ("model_draft", -12), "n_gpu_layers_draft": ("ngld", 4), "devices_draft": ("devd", -6),
               "spec_verify": ("spec_verify", -12), "spec_select": ("spec_select", -12),
-              "spec_mtp_rollback": ("mtp_rollback", -12)}
+              "spec_mtp_rollback": ("mtp_rollback", -12), "compile": ("compile", -7),
+              "compile_s": ("compile s", 9)}
 _DEFAULTS = default_values()
 
 
@@ -70,7 +71,8 @@ def _engine_cols(rows: list[dict]) -> list[str]:
     out = [] if cpu else ["n_gpu_layers"]
     if cpu or len({r["n_threads"] for r in rows}) > 1:
         out.append("n_threads")
-    return out + [f for f in ("n_batch", "n_ubatch", "flash_attn", "devices") if _shown(rows, f)]
+    out += [f for f in ("n_batch", "n_ubatch", "flash_attn", "compile", "devices") if _shown(rows, f)]
+    return out + (["compile_s"] if any(r.get("compile_s") for r in rows) else [])  # seconds spent compiling
 
 
 def _model_cells(r: dict) -> list[str]:

@@ -236,8 +236,15 @@ def _row_head(build: dict, model: BenchModel, inst: Instance, n_threads: int) ->
     return dict(build, backends="CUDA" if model.on_cuda else "CPU", device=model.device, dtype=model.dtype,
                 model_filename=model.filename, model_type=model.model_type, model_size=model.size,
                 model_n_params=model.n_params, n_batch=inst.n_batch, n_ubatch=inst.n_ubatch, n_threads=n_threads,
-                n_gpu_layers=inst.n_gpu_layers, flash_attn=inst.flash_attn, devices=inst.devices, test=t.kind,
+                n_gpu_layers=inst.n_gpu_layers, flash_attn=inst.flash_attn, compile=inst.compile,
+                devices=inst.devices, test=t.kind,
                 n_prompt=t.n_prompt, n_gen=t.n_gen, n_depth=t.n_depth, test_time=_now())
+
+
+def compile_seconds(ctx: Context) -> float:
+    """Seconds a context's calls spent compiling (--compile, compiled.py); 0 for an eager one."""
+    step = getattr(ctx, "step", None)
+    return step.stats.seconds if step is not None else 0.0
 
 
 def _now() -> str:
@@ -287,7 +294,7 @@ def gen_random(ctx: Context, n: int, n_past: int, rng: random.Random, bos: int |
 def run_random(model: BenchModel, inst: Instance, head: dict, params: BenchParams, progress: Progress) -> Result:
     t = inst.test
     n_ctx = max(1, t.n_prompt + t.n_gen + t.n_depth)
-    ctx = context_class(model.loaded)(model.loaded, n_ctx, 1, inst.n_batch, inst.n_ubatch)
+    ctx = context_class(model.loaded)(model.loaded, n_ctx, 1, inst.n_batch, inst.n_ubatch, compile=inst.compile)
     rng = random.Random(SEED)
     bos = model.tokenizer.bos_id if model.tokenizer.add_bos else None
     sync = _sync_for(model)
@@ -312,6 +319,7 @@ def run_random(model: BenchModel, inst: Instance, head: dict, params: BenchParam
         row.samples_ns.append(ns)
         row.samples_ts.append(1e9 * (t.n_prompt + t.n_gen) / ns)
         progress.runs_done()
+    row.compile_s = compile_seconds(ctx)
     return row
 
 
@@ -320,7 +328,8 @@ def run_random(model: BenchModel, inst: Instance, head: dict, params: BenchParam
 def run_verify(model: BenchModel, inst: Instance, head: dict, params: BenchParams,
                progress: Progress) -> list[Result]:
     t = inst.test
-    ctx = context_class(model.loaded)(model.loaded, t.n_depth + t.verify_k, 1, inst.n_batch, inst.n_ubatch)
+    ctx = context_class(model.loaded)(model.loaded, t.n_depth + t.verify_k, 1, inst.n_batch, inst.n_ubatch,
+                                      compile=inst.compile)
     if t.verify_k > ctx.n_batch:
         raise SpecCliError(f"--verify-cost {t.verify_k} exceeds the batch size {ctx.n_batch} (-b)")
     rng = random.Random(SEED)
@@ -366,7 +375,7 @@ def run_spec(model: BenchModel, draft: BenchModel | None, inst: Instance, head: 
                       draft_p_min=t.draft_p_min, verify=t.spec_verify, select=t.spec_select,
                       mtp_rollback=t.spec_mtp_rollback, **dict(t.ngram))
     opts = EngineOptions(n_ctx=max(len(p) for p in prompts) + t.n_gen + draft_max + 2, n_batch=inst.n_batch,
-                         n_ubatch=inst.n_ubatch, spec=spec)
+                         n_ubatch=inst.n_ubatch, compile=inst.compile, spec=spec)
     session = Session(assemble_engine(opts, model.loaded, model.tokenizer, draft.loaded if draft else None), spec)
     sampling = SamplingParams(temp=t.temp, seed=SEED)
     sampling.validate()
@@ -390,6 +399,7 @@ def run_spec(model: BenchModel, draft: BenchModel | None, inst: Instance, head: 
         row.samples_ts.append(1e9 * (tally.n_tokens - tokens_before) / ns if ns else 0.0)
         progress.log(f"  rep {rep + 1}: {tally.n_tokens - tokens_before} tokens in {ns / 1e6:.1f} ms")
     row.spec = _spec_fields(t, params, prompt_set.name, len(prompts), tally)
+    row.compile_s = sum(compile_seconds(c) for c in session.engine.contexts)
     return row
 
 
