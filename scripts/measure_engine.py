@@ -38,7 +38,7 @@ from spec_cli.engine import EngineOptions  # noqa: E402
 from spec_cli.generate import generate  # noqa: E402
 from spec_cli.sampling import SamplingParams  # noqa: E402
 from spec_cli.session import Session, open_session  # noqa: E402
-from spec_cli.speculative.adaptive import time_forwards  # noqa: E402
+from spec_cli.speculative.verify_costs import time_forwards  # noqa: E402
 
 MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
 # llama.cpp on this machine kind, 2 threads, tg128 tokens/s: (llama-bench, llama-cpp-python)

@@ -16,7 +16,7 @@ from spec_cli.context import Context
 from spec_cli.errors import SpecCliError, UsageError
 from spec_cli.loader import LoadedModel, load_model
 from spec_cli.options import DEFAULT_GPU_LAYERS, default
-from spec_cli.speculative.adaptive import CostModel
+from spec_cli.speculative.verify_costs import CostModel
 from spec_cli.speculative.base import SpecParams
 from spec_cli.mtp import MTPContext, load_mtp_head
 from spec_cli.speculative.draft_model import check_vocab_compatible

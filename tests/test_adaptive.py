@@ -18,10 +18,11 @@ from spec_cli.bench.runner import run_bench
 from spec_cli.cli import app
 from spec_cli.context import Context
 from spec_cli.sampling import SamplingParams
-from spec_cli.speculative import adaptive
+from spec_cli.speculative import adaptive, verify_costs
 from spec_cli.speculative.adaptive import (
-    AUTO, AUTO_DRAFT_MAX, PROBE_BUDGET, PROBE_GAP_MAX, PROBE_GAP_MIN, AcceptanceModel, CostModel, DraftCost, Planner, expected_tokens,
+    AUTO, AUTO_DRAFT_MAX, PROBE_BUDGET, PROBE_GAP_MAX, PROBE_GAP_MIN, AcceptanceModel, DraftCost, Planner, expected_tokens,
 )
+from spec_cli.speculative.verify_costs import CostModel
 from spec_cli.speculative.chain import Chain
 from tests.test_bench_run import prompt_file, tiny  # noqa: F401 (fixture)
 from tests.test_cli import PROMPT, cli
@@ -103,7 +104,7 @@ def test_cost_online_update_is_an_ema_and_shifts_unseen_rows():
     costs = CostModel()
     costs.set_points({1: 1.0, 4: 1.3})
     costs.observe(2, 2.1)
-    ema = adaptive.COST_EMA
+    ema = verify_costs.COST_EMA
     assert costs(2) == pytest.approx(1.1 + ema * (2.1 - 1.1))
     assert costs(3) == pytest.approx(1.2 + ema * (2.1 - 1.1))  # unseen: the curve plus the mean gap
     for _ in range(200):
@@ -159,11 +160,11 @@ def test_calibration_is_cached_per_model_and_settings(tiny_model_path, tmp_path,
 
     first = calibrated(1)
     assert len(json.loads(cache.read_text())) == 1
-    real_timer = adaptive.time_forwards
-    monkeypatch.setattr(adaptive, "time_forwards", lambda *a, **k: pytest.fail("timed forwards despite the cache"))
+    real_timer = verify_costs.time_forwards
+    monkeypatch.setattr(verify_costs, "time_forwards", lambda *a, **k: pytest.fail("timed forwards despite the cache"))
     again = calibrated(1)
     assert (again.rows, again.seconds) == (first.rows, first.seconds)
-    monkeypatch.setattr(adaptive, "time_forwards", real_timer)
+    monkeypatch.setattr(verify_costs, "time_forwards", real_timer)
     assert calibrated(2).rows[-1] == 32 and len(json.loads(cache.read_text())) == 2
     monkeypatch.setattr(kernels, "_BUILD", "rebuilt")  # other kernels, other speeds: timed again
     calibrated(1)

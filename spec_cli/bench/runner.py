@@ -51,7 +51,8 @@ from spec_cli.errors import SpecCliError
 from spec_cli.loader import LoadedModel
 from spec_cli.sampling import SamplingParams
 from spec_cli.session import Session
-from spec_cli.speculative.adaptive import draft_bound, time_forwards
+from spec_cli.speculative.adaptive import draft_bound
+from spec_cli.speculative.verify_costs import time_forwards
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.draft_model import check_vocab_compatible
 from spec_cli.speculative.stats import DrafterStats

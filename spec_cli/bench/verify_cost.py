@@ -15,7 +15,7 @@ when the ratio is >= k, i.e. even a perfect drafter cannot win at that k).
 
 On GPUs cost(k) stays near cost(1) for small k (weights are read once); on CPUs torch's matrix products for a few
 rows can cost several times one row (see shared/models/README.md), which is why this curve is measured, not assumed.
-The timing itself (`time_forwards`) lives in speculative/adaptive.py, whose `--draft-max auto` calibrates on it.
+The timing itself (`time_forwards`) lives in speculative/verify_costs.py, whose cost model `--draft-max auto` plans with.
 """
 
 from __future__ import annotations

@@ -22,30 +22,16 @@ denominator, so a draft that was paid for is not thrown away for nothing.
 
 from __future__ import annotations
 
-import bisect
-import json
 import math
-import os
-import random
-import time
-from collections.abc import Callable, Iterable
-from pathlib import Path
 
-import torch
-
-from spec_cli import kernels
-from spec_cli.batch import Batch
-from spec_cli.context import Context
 from spec_cli.errors import UsageError
+from spec_cli.speculative.verify_costs import COST_EMA, CostModel
 
 AUTO = "auto"
 # Upper bound of an adaptive draft (unless the drafter's own cap is lower, e.g. draft-mtp's 3): the default fixed
 # --draft-max, and past 16 rows the CPU verify cost grows about linearly, so longer drafts rarely pay.
 AUTO_DRAFT_MAX = 16
 
-CALIBRATION_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # sparse: interpolation fills the gaps
-MULTI_SEQ_ROWS = (24, 32)  # several sequences pad the verify batch to G * (1 + longest draft)
-COST_EMA = 0.1  # weight of one step's timing in the online cost estimate (steps are noisy on a shared CPU)
 ACCEPT_DECAY = 0.9  # per observation: memory of ~10 drafts, so the estimate follows the text as it changes
 PRIOR_ACCEPT = 0.5  # prior a_1 of a drafter never seen; position i > 1 starts from the estimate at i - 1
 PRIOR_WEIGHT = 0.5  # the prior counts as half an observation, forgotten like the others: the first drafts dominate
@@ -73,131 +59,6 @@ def parse_draft_max(text: str | int) -> int | str:
 def draft_bound(value: int | str) -> tuple[int, bool]:
     """A parsed --draft-max as (upper bound on a draft, adaptive?)."""
     return (AUTO_DRAFT_MAX, True) if value == AUTO else (int(value), False)
-
-
-def time_forwards(ctx: Context, seq: int, ks: Iterable[int], repetitions: int, rng: random.Random,
-                  sync: Callable[[], None]) -> dict[int, list[int]]:
-    """ns of one decode of k rows (all with logits, as a verify batch) on sequence `seq` right after the cells it
-    holds, for each k in `ks`. Repetitions are interleaved over k so slow drift of the machine spreads over every k
-    instead of biasing the ratio; after each forward its rows are removed, so the KV cache is left as it was."""
-    depth = ctx.lengths[seq]
-    samples: dict[int, list[int]] = {k: [] for k in ks}
-    n_vocab = ctx.config.n_vocab
-    for _ in range(repetitions):
-        for k in samples:
-            batch = Batch()
-            for i in range(k):
-                batch.add(rng.randrange(n_vocab), depth + i, seq, True)
-            sync()
-            t0 = time.perf_counter_ns()
-            ctx.decode(batch)
-            sync()
-            samples[k].append(time.perf_counter_ns() - t0)
-            ctx.seq_rm(seq, depth)
-    return samples
-
-
-class CostModel:
-    """Seconds of the verify side of a step (everything but drafting) as a function of the target forward's rows.
-
-    Calibrated once, at the first step that needs it, by timing target forwards of CALIBRATION_ROWS rows at the
-    depth of a real sequence (the minimum of 2), linear between points and extrapolated past the last.
-    Refined online: each step's measured time updates an EMA for its row count. Row counts not seen yet use the
-    curve plus the EMA of the gap between observed and calibrated times, i.e. what the bare forward does not see
-    (verification, rollback, draft-simple mirroring the batch on the draft model, a busier machine)."""
-
-    def __init__(self, cache: Path | None = None) -> None:
-        self.cache = cache  # JSON file of earlier calibrations (a command's startup would pay ~3 s on a 1.5B model)
-        self.rows: list[int] = []  # calibration points, ascending
-        self.seconds: list[float] = []
-        self.observed: dict[int, float] = {}
-        self.offset = 0.0
-
-    @property
-    def calibrated(self) -> bool:
-        return bool(self.rows)
-
-    def calibrate(self, ctx: Context, seq: int) -> None:
-        """Time forwards on `seq` after the cells it holds (removed again); rows that do not fit are extrapolated.
-        A calibration of the same model file, weights, device, threads, sequence count, torch and kernel build is
-        read from the cache instead (the online refinement corrects what differs now, e.g. the machine's load)."""
-        key = _calibration_key(ctx)
-        cached = _read_cache(self.cache).get(key) if self.cache and key else None
-        if cached:
-            self.set_points({int(k): v for k, v in cached.items()})
-            return
-        room = min(ctx.n_ctx_seq - ctx.lengths[seq], ctx.n_batch)
-        ks = [k for k in CALIBRATION_ROWS + (MULTI_SEQ_ROWS if ctx.n_seq > 1 else ()) if k <= room]
-        sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
-        rng = random.Random(0)
-        # One 1-row warmup is enough: the prompt was just prefilled, and on the CPU no row count's first forward is
-        # slower than its second there (qwen2.5-coder-0.5b, 1 thread); the minimum of two drops a disturbed sample.
-        time_forwards(ctx, seq, ks[:1], 1, rng, sync)
-        samples = time_forwards(ctx, seq, ks, 2, rng, sync)
-        self.set_points({k: min(ns) / 1e9 for k, ns in samples.items()})
-        full = len(ks) == len(CALIBRATION_ROWS) + (len(MULTI_SEQ_ROWS) if ctx.n_seq > 1 else 0)
-        if self.cache and key and full:  # a curve cut short by a small context is not kept
-            _write_cache(self.cache, key, dict(zip(self.rows, self.seconds)))
-
-    def set_points(self, seconds_by_rows: dict[int, float]) -> None:
-        self.rows = sorted(seconds_by_rows)
-        self.seconds = [seconds_by_rows[k] for k in self.rows]
-
-    def __call__(self, rows: int) -> float:
-        seen = self.observed.get(rows)
-        return seen if seen is not None else self.curve(rows) + self.offset
-
-    def curve(self, rows: int) -> float:
-        """The calibrated time: linear between points, along the last segment past the last point (proportional
-        to the rows when only one point fitted in the context), the first point's below it."""
-        xs, ys = self.rows, self.seconds
-        if len(xs) == 1:
-            return ys[0] * rows / xs[0]
-        if rows <= xs[0]:
-            return ys[0]
-        i = min(bisect.bisect_left(xs, rows), len(xs) - 1)
-        slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
-        return ys[i - 1] + slope * (rows - xs[i - 1])
-
-    def observe(self, rows: int, seconds: float) -> None:
-        prior = self(rows)
-        self.offset += COST_EMA * (seconds - self.curve(rows) - self.offset)
-        self.observed[rows] = prior + COST_EMA * (seconds - prior)
-
-
-CACHE_ENTRIES = 32  # calibrations kept, newest last
-
-
-def _calibration_key(ctx: Context) -> str | None:
-    gf = ctx.loaded.gguf
-    if gf is None:
-        return None
-    st = gf.path.stat()
-    parts = (gf.path.resolve(), st.st_size, st.st_mtime_ns, ctx.loaded.weights, ctx.device, torch.get_num_threads(),
-             ctx.n_seq, torch.__version__, kernels.build_id())  # a rebuilt kernel library has other speeds
-    return "|".join(map(str, parts))
-
-
-def _read_cache(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}  # none yet, or unreadable: calibrate again
-    return data if isinstance(data, dict) else {}
-
-
-def _write_cache(path: Path, key: str, seconds_by_rows: dict[int, float]) -> None:
-    data = _read_cache(path)
-    data.pop(key, None)
-    data[key] = {str(k): v for k, v in seconds_by_rows.items()}
-    data = dict(list(data.items())[-CACHE_ENTRIES:])
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only cache only costs the next command a calibration
 
 
 class AcceptanceModel:
