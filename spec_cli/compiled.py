@@ -153,6 +153,7 @@ def _configure() -> None:
 class CompileStats:
     graphs: int = 0  # compiles (dynamo frames) this step caused
     seconds: float = 0.0  # wall time of the calls that compiled
+    calls: int = 0  # forwards that ran compiled
 
 
 class CompiledStep:
@@ -229,6 +230,7 @@ class CompiledStep:
         if self._watcher is None:
             self._watcher = threading.Thread(target=self._watch, daemon=True, name="spec-cli-compile-progress")
             self._watcher.start()
+        self.stats.calls += 1
         try:
             return fn(*args)
         finally:

@@ -1,0 +1,169 @@
+"""--compile (spec_cli/compiled.py): the decode/verify step compiled with torch.compile gives what eager gives.
+
+On the default CPU path (quantized weights, the C++ block as the custom op spec_cli::block) the logits are
+BIT-identical to eager and stay batch-invariant compiled: every row of 4 sequences decoded together in padded
+verify batches == the sequence decoded one row at a time, eager. On the float path (--dtype f32: inductor's own
+kernels around torch's matmuls) greedy tokens are equal. Through the public API (plain, ngram-simple and
+draft-simple, whose draft model is compiled too; 1 and 4 sequences) and through the installed console script,
+compiled == eager token for token.
+
+Kept lean for CI: tiny models, few shapes, one inductor cache directory for the whole session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from spec_cli import kernels
+from spec_cli.batch import Batch
+from spec_cli.context import Context
+from spec_cli.engine import EngineOptions
+from spec_cli.generate import generate
+from spec_cli.loader import load_model
+from spec_cli.sampling import SamplingParams
+from spec_cli.session import open_session
+from spec_cli.speculative.base import SpecParams
+from tests.tiny_gguf import write_tiny_gguf
+
+pytestmark = pytest.mark.skipif(not hasattr(torch, "compile"), reason="no torch.compile")
+
+GREEDY = SamplingParams(temp=0.0)
+PROMPTS = [[5, 17, 42, 99, 7, 250, 31, 64, 12, 200, 3, 77], [101, 102, 103, 101, 102, 103, 101],
+           [7, 7, 7, 8, 9], [200, 13, 57, 91, 33, 200, 13, 57, 91]]
+N_PREDICT = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def inductor_cache(tmp_path_factory):
+    """torch's compile caches in a directory of the tests' own (not the user's ~/.cache/spec-cli)."""
+    path = str(tmp_path_factory.mktemp("torch-compile"))
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    yield path
+    if old is None:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+
+
+def rows(tokens, start=0, seq=0) -> Batch:
+    b = Batch()
+    for i, t in enumerate(tokens):
+        b.add(t, start + i, seq, True)
+    return b
+
+
+def one_row_at_a_time(lm, tokens) -> torch.Tensor:
+    ctx = Context(lm, n_ctx=64)
+    return torch.cat([ctx.decode(rows(tokens[i : i + 1], start=i)).logits for i in range(len(tokens))])
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the compiled kernels were not built")
+def test_quantized_path_compiled_logits_are_bit_identical_and_batch_invariant(tmp_path):
+    lm = load_model(write_tiny_gguf(tmp_path / "tiny-q8_0.gguf", arch="llama", seed=7, qtype=T.Q8_0), device="cpu")
+    assert lm.weights == "q"
+    refs = [one_row_at_a_time(lm, p + [1, 2, 3, 4]) for p in PROMPTS]  # eager, one row at a time
+    # one sequence: the prompt in one decode (12 rows, padded to 16), then single rows
+    ctx = Context(lm, n_ctx=64, compile="on")
+    prompt = PROMPTS[0] + [1, 2, 3, 4]
+    got = torch.cat([ctx.decode(rows(prompt[:12])).logits] + [ctx.decode(rows([t], start=12 + i)).logits
+                                                               for i, t in enumerate(prompt[12:])])
+    assert ctx.step is not None and ctx.step.stats.calls == 5
+    assert torch.equal(got, refs[0])
+    # four sequences side by side: 3 of them first (groups padded 3 -> 4), then verify batches of 1-3 rows each
+    ctx = Context(lm, n_ctx=4 * 64, n_seq=4, compile="on")
+    got = [[] for _ in PROMPTS]
+    b = Batch()
+    for seq in range(3):
+        for i, t in enumerate(PROMPTS[seq][:5]):
+            b.add(t, i, seq, True)
+    out = ctx.decode(b).logits
+    for seq in range(3):
+        got[seq].append(out[5 * seq : 5 * seq + 5])
+    pos = [5, 5, 5, 0]
+    full = [p + [1, 2, 3, 4] for p in PROMPTS]
+    while any(pos[s] < len(full[s]) for s in range(4)):
+        b, owners = Batch(), []
+        for seq in range(4):
+            for t in full[seq][pos[seq] : pos[seq] + 1 + seq % 3]:
+                b.add(t, pos[seq], seq, True)
+                owners.append(seq)
+                pos[seq] += 1
+        out = ctx.decode(b).logits
+        for seq in range(4):
+            got[seq].append(out[[i for i, o in enumerate(owners) if o == seq]])
+    for seq in range(4):
+        assert torch.equal(torch.cat(got[seq]), refs[seq]), f"sequence {seq}"
+    assert ctx.step.stats.calls >= 5
+
+
+def test_float_path_compiled_greedy_tokens_equal_eager(tiny_model_path):
+    lm = load_model(tiny_model_path, device="cpu", dtype="f32")
+    tokens = {}
+    for mode in ("off", "on"):
+        ctx = Context(lm, n_ctx=64, compile=mode)
+        out = ctx.decode(rows(PROMPTS[0]))
+        seq = [int(out.logits[-1].argmax())]
+        for i in range(12):
+            seq.append(int(ctx.decode(rows(seq[-1:], start=len(PROMPTS[0]) + i)).logits[0].argmax()))
+        tokens[mode] = seq
+        assert (ctx.step is not None) == (mode == "on")
+    assert tokens["on"] == tokens["off"]
+
+
+def session(model, spec_types="", draft=None, n_seq=1, compile="off"):
+    params = SpecParams(types=[t for t in spec_types.split(",") if t], draft_max=4, draft_p_min=0.0,
+                        ngram_simple_size_n=2, ngram_simple_size_m=8)
+    return open_session(EngineOptions(model=str(model), model_draft=str(draft) if draft else None, n_ctx=128 * n_seq,
+                                      n_seq=n_seq, device="cpu", compile=compile, spec=params))
+
+
+def outputs(s, n_seq: int) -> list[list[int]]:
+    """Greedy continuations of the first n_seq prompts, decoded side by side."""
+    gen = s.generator()
+    outs = {seq: list(gen.start(seq, PROMPTS[seq], GREEDY, N_PREDICT).tokens) for seq in range(n_seq)}
+    while emitted := gen.step():
+        for e in emitted:
+            outs[e.seq].extend(e.tokens)
+    return [outs[seq] for seq in range(n_seq)]
+
+
+@pytest.mark.parametrize("n_seq", [1, 4])
+@pytest.mark.parametrize("chain", ["", "ngram-simple", "draft-simple"])
+def test_compiled_equals_eager_through_the_api(tiny_model_path, tiny_draft_path, chain, n_seq):
+    draft = tiny_draft_path if "draft-simple" in chain else None
+    eager = outputs(session(tiny_model_path, chain, draft, n_seq), n_seq)
+    s = session(tiny_model_path, chain, draft, n_seq, compile="on")
+    assert outputs(s, n_seq) == eager
+    contexts = [s.engine.ctx] + ([s.engine.draft_ctx] if draft else [])
+    assert all(c.step is not None and c.step.stats.calls > 0 for c in contexts)
+    if chain:
+        assert s.pooled_stats().n_acc_tokens > 0  # drafts were verified (else the chain proves nothing)
+
+
+def test_auto_leaves_the_cpu_eager(tiny_model_path):
+    """--compile auto: on only where it measurably wins (README): not on the CPU paths."""
+    for dtype in ("q", "f32"):
+        lm = load_model(tiny_model_path, device="cpu", dtype=dtype)
+        assert Context(lm, n_ctx=32, compile="auto").step is None
+
+
+@pytest.mark.skipif(shutil.which("spec-cli") is None, reason="the console script is not installed")
+def test_console_script_compiled_equals_eager(tiny_model_path, inductor_cache):
+    base = ["spec-cli", "run", "-m", str(tiny_model_path), "-p", "abc abc abc abc", "-n", "12", "--temp", "0",
+            "--json", "-t", "1"]
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": inductor_cache}
+    runs = {mode: subprocess.run(base + ["--compile", mode], capture_output=True, text=True, env=env, timeout=600)
+            for mode in ("off", "on")}
+    for mode, r in runs.items():
+        assert r.returncode == 0, f"--compile {mode}: {r.stderr}"
+    assert json.loads(runs["on"].stdout)["content"] == json.loads(runs["off"].stdout)["content"]
+    assert "compiling" not in runs["off"].stderr
