@@ -179,9 +179,13 @@ def main() -> None:
             model_path, args.threads, 4096, args.n_gen, eog, lookup=True)))
 
     measure(configs, prompts, args.rounds)
+    report(configs, args, prompt_set.name, len(prompts), has_llama_cpp)
 
+
+def report(configs: list[Config], args, set_name: str, n_prompts: int, has_llama_cpp: bool) -> None:
+    """The table (speed against spec-cli plain, acceptance), drafter statistics and the machine-readable last line."""
     base = configs[0].tok_s()
-    print(f"\n{args.model} (draft {args.model_draft or '-'}), prompt set {prompt_set.name} ({len(prompts)} prompts), "
+    print(f"\n{args.model} (draft {args.model_draft or '-'}), prompt set {set_name} ({n_prompts} prompts), "
           f"{args.n_gen} tokens greedy, {args.threads} threads, median of {args.rounds} interleaved rounds")
     print(f"{'backend':9s}  {'configuration':38s} {'tok/s':>7s} {'vs spec-cli plain':>18s} {'accept %':>9s}")
     rows = []
