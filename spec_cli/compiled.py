@@ -101,6 +101,14 @@ def register_ops() -> None:
     def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return kernels.rms_norm(x, weight, eps)
 
+    @torch.library.custom_op("spec_cli::gelu_tanh", mutates_args=(), device_types="cpu")
+    def gelu_op(x: torch.Tensor) -> torch.Tensor:  # aten's: inductor's own tanh differs in the last bits
+        return torch.nn.functional.gelu(x, approximate="tanh")
+
+    @gelu_op.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
     @rms_norm_op.register_fake
     def _(x, weight, eps):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -170,12 +178,19 @@ class CompiledStep:
             # one CUDA graph per shape: static shapes (dynamic=False), graphs replayed by cudagraph trees
             self._fn = torch.compile(_layers, mode="reduce-overhead", dynamic=False, fullgraph=True)
         else:
-            self._fn = torch.compile(_layers, fullgraph=True)
+            self._fn = torch.compile(_layers, dynamic=True, fullgraph=True)
         self._descs: dict[int, torch.Tensor] = {}  # id(BlockDesc) -> its address as a tensor (no guard on it)
         self._call: tuple[float, int, int] | None = None  # (start, G, T) of the block call in flight
         self._watcher: threading.Thread | None = None
         self._shown: tuple[float, int, int] | None = None  # the call the progress line is about
         self._lock = threading.Lock()
+
+    @property
+    def pads(self) -> bool:
+        """Whether the step's shapes are padded to buckets: for CUDA graphs (one per shape). The CPU graphs take
+        symbolic shapes, unpadded: padding rows or keys changes the float path's bits (torch's matmul and SDPA
+        sum in other blocks), and would cost the quantized path work for nothing."""
+        return self.cuda
 
     @staticmethod
     def fits(n_groups: int, n_rows: int) -> bool:
@@ -216,6 +231,7 @@ class CompiledStep:
             for mask in (plan.mask_full, plan.mask_swa):
                 if mask is not None:
                     torch._dynamo.maybe_mark_dynamic(mask, 3)
+            torch._dynamo.maybe_mark_dynamic(x, 1)
         args = (model, x, plan.positions, plan.write_rows, plan.write_seq, plan.write_pos, plan.kv_seqs,
                 plan.mask_full, plan.mask_swa, [ropes[False], ropes[True]], kv, descs, windows, tables, *row_args)
         return self._timed(self._fn, args, G, T)

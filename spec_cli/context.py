@@ -155,7 +155,8 @@ class Context:
         seqs = list(groups)
         G, T = len(seqs), max(len(r) for r in groups.values())
         step = self.step if self.step is not None and self.step.fits(G, T) and self.step.usable(self.model) else None
-        if step is not None:  # compiled: pad to the row buckets; padded groups read (never write) a real sequence
+        pad = step is not None and step.pads
+        if pad:  # CUDA graphs: pad to the row buckets; padded groups read (never write) a real sequence
             from spec_cli.compiled import bucket
 
             G, T = bucket(G), bucket(T)
@@ -173,7 +174,7 @@ class Context:
         for seq in seqs:
             self.lengths[seq] += len(groups[seq])
         n_kv = max(self.lengths[s] for s in seqs)
-        if step is not None:
+        if pad:
             from spec_cli.compiled import kv_bucket
 
             n_kv = kv_bucket(n_kv, self.n_ctx_seq)

@@ -174,6 +174,12 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(G, T, cfg.n_head * cfg.head_dim))
 
 
+def gelu_tanh(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cpu" and torch.compiler.is_compiling():  # aten's GELU in a compiled graph (compiled.py)
+        return torch.ops.spec_cli.gelu_tanh(t)
+    return F.gelu(t, approximate="tanh")
+
+
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -181,7 +187,7 @@ class FeedForward(nn.Module):
         self.w_up = Linear(cfg.n_embd, cfg.n_ff)
         self.w_down = Linear(cfg.n_ff, cfg.n_embd)
         self.gelu = cfg.ffn_act != "silu"  # GELU with the tanh approximation (gemma), else SiLU
-        self.act = (lambda t: F.gelu(t, approximate="tanh")) if self.gelu else F.silu
+        self.act = gelu_tanh if self.gelu else F.silu
         self.gate_up: nn.Module | None = None  # x -> (gate, up) in one product, set by qlinear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

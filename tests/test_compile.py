@@ -1,9 +1,9 @@
 """--compile (spec_cli/compiled.py): the decode/verify step compiled with torch.compile gives what eager gives.
 
 On the default CPU path (quantized weights, the C++ block as the custom op spec_cli::block) the logits are
-BIT-identical to eager and stay batch-invariant compiled: every row of 4 sequences decoded together in padded
-verify batches == the sequence decoded one row at a time, eager. On the float path (--dtype f32: inductor's own
-kernels around torch's matmuls) greedy tokens are equal. Through the public API (plain, ngram-simple and
+BIT-identical to eager and stay batch-invariant compiled: every row of 4 sequences decoded together in verify
+batches == the sequence decoded one row at a time, eager. On the float path (--dtype f32: inductor's own kernels
+around torch's matmuls) the logits are eager's bits too. Through the public API (plain, ngram-simple and
 draft-simple, whose draft model is compiled too; 1 and 4 sequences) and through the installed console script,
 compiled == eager token for token.
 
@@ -71,14 +71,14 @@ def test_quantized_path_compiled_logits_are_bit_identical_and_batch_invariant(tm
     lm = load_model(write_tiny_gguf(tmp_path / "tiny-q8_0.gguf", arch="llama", seed=7, qtype=T.Q8_0), device="cpu")
     assert lm.weights == "q"
     refs = [one_row_at_a_time(lm, p + [1, 2, 3, 4]) for p in PROMPTS]  # eager, one row at a time
-    # one sequence: the prompt in one decode (12 rows, padded to 16), then single rows
+    # one sequence: the prompt in one decode (12 rows), then single rows
     ctx = Context(lm, n_ctx=64, compile="on")
     prompt = PROMPTS[0] + [1, 2, 3, 4]
     got = torch.cat([ctx.decode(rows(prompt[:12])).logits] + [ctx.decode(rows([t], start=12 + i)).logits
                                                                for i, t in enumerate(prompt[12:])])
     assert ctx.step is not None and ctx.step.stats.calls == 5
     assert torch.equal(got, refs[0])
-    # four sequences side by side: 3 of them first (groups padded 3 -> 4), then verify batches of 1-3 rows each
+    # four sequences side by side: 3 of them first, then verify batches of 1-3 rows each
     ctx = Context(lm, n_ctx=4 * 64, n_seq=4, compile="on")
     got = [[] for _ in PROMPTS]
     b = Batch()
@@ -105,18 +105,20 @@ def test_quantized_path_compiled_logits_are_bit_identical_and_batch_invariant(tm
     assert ctx.step.stats.calls >= 5
 
 
-def test_float_path_compiled_greedy_tokens_equal_eager(tiny_model_path):
+def test_float_path_compiled_logits_are_bit_identical(tiny_model_path):
+    """--dtype f32: inductor's kernels around torch's matmuls and SDPA, on the same (unpadded) shapes as eager; the
+    norms (and gemma's GELU-tanh) stay the eager ops as custom ops, so the logits are eager's bits. (gemma3 too,
+    checked by hand: it compiles for 40 s here, too long for CI.)"""
     lm = load_model(tiny_model_path, device="cpu", dtype="f32")
-    tokens = {}
+    logits = {}
     for mode in ("off", "on"):
         ctx = Context(lm, n_ctx=64, compile=mode)
-        out = ctx.decode(rows(PROMPTS[0]))
-        seq = [int(out.logits[-1].argmax())]
-        for i in range(12):
-            seq.append(int(ctx.decode(rows(seq[-1:], start=len(PROMPTS[0]) + i)).logits[0].argmax()))
-        tokens[mode] = seq
-        assert (ctx.step is not None) == (mode == "on")
-    assert tokens["on"] == tokens["off"]
+        out = [ctx.decode(rows(PROMPTS[0][:5])).logits, ctx.decode(rows(PROMPTS[0][5:], start=5)).logits]
+        for i in range(10):
+            out.append(ctx.decode(rows([int(out[-1][-1].argmax())], start=len(PROMPTS[0]) + i)).logits)
+        logits[mode] = torch.cat(out)
+        assert (ctx.step is not None and ctx.step.stats.calls == 12) == (mode == "on")
+    assert torch.equal(logits["on"], logits["off"])
 
 
 def session(model, spec_types="", draft=None, n_seq=1, compile="off"):
