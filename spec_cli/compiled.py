@@ -232,6 +232,8 @@ class CompiledStep:
                 if mask is not None:
                     torch._dynamo.maybe_mark_dynamic(mask, 3)
             torch._dynamo.maybe_mark_dynamic(x, 1)
+        else:  # a new replay generation: the previous step's outputs were copied out (Context indexes its rows)
+            torch.compiler.cudagraph_mark_step_begin()
         args = (model, x, plan.positions, plan.write_rows, plan.write_seq, plan.write_pos, plan.kv_seqs,
                 plan.mask_full, plan.mask_swa, [ropes[False], ropes[True]], kv, descs, windows, tables, *row_args)
         return self._timed(self._fn, args, G, T)

@@ -155,6 +155,8 @@ class Context:
         seqs = list(groups)
         G, T = len(seqs), max(len(r) for r in groups.values())
         step = self.step if self.step is not None and self.step.fits(G, T) and self.step.usable(self.model) else None
+        if step is not None and not step.pads and max(self.lengths[s] + len(groups[s]) for s in seqs) < 2:
+            step = None  # a sequence's first row alone: one key, a size torch would compile a graph of its own for
         pad = step is not None and step.pads
         if pad:  # CUDA graphs: pad to the row buckets; padded groups read (never write) a real sequence
             from spec_cli.compiled import bucket
