@@ -303,7 +303,7 @@ def run_random(model: BenchModel, inst: Instance, head: dict, params: BenchParam
         if t.n_prompt:
             decode_random(ctx, t.n_prompt, 0, rng, bos)
         if t.n_gen:
-            gen_random(ctx, 1, ctx.lengths[0], rng, bos, sync)
+            gen_random(ctx, 2 if ctx.step else 1, ctx.lengths[0], rng, bos, sync)  # compiled: the 2nd compiles
         ctx.clear()
     if t.n_depth:
         decode_random(ctx, t.n_depth, 0, rng, bos)
