@@ -1,25 +1,26 @@
 """`--compile`: the decode/verify step's decoder blocks through `torch.compile` (CPU: inductor; CUDA: CUDA graphs).
 
-What is compiled: each decoder block of a Transformer (`model.Block`), as one region reused by every layer of the
-same kind (torch's "regional compilation": the layers' weights are graph inputs, so a 30-block model compiles one
-graph per row shape, not 30), over the static KV cache, for decode and verify shapes only: G sequences of T rows
-with G, T padded up to the next ROW_BUCKETS size (1, 2, 4, 8, 16; prompt chunks of more rows run eager) and the
-attended key range padded to a power of two (at least 64, at most the cache); padded rows are never written to the
-cache and padded keys are masked, so the step sees only shapes from a short list.
+What is compiled: the loop over a Transformer's decoder blocks (`Transformer.forward_hidden` with `step=`) as one
+graph over the static KV cache, for decode and verify shapes only (at most ROW_BUCKETS[-1] sequences of at most
+ROW_BUCKETS[-1] rows; longer prompt chunks, and a sequence's first row alone, run eager). The layers' weights are
+graph inputs, so a graph serves every model of the same shapes (a target and a same-size draft share it).
 
-- Float weights (`--dtype f32/bf16/f16`, CUDA): the torch ops of `Block.forward_torch` (norms, projections, rope,
-  cache writes, attention, FFN) become one inductor kernel set per shape. On CUDA the compile mode is
-  "reduce-overhead": one CUDA graph per shape (cudagraph trees), the KV caches marked as static addresses so the
-  graphs write them in place.
-- Quantized weights on the CPU (the default there): the block is already one C++ call (kernels.cpp `sc_block`);
-  it is registered as the torch custom op `spec_cli::block` (with a fake implementation, mutating the caches) so
-  the region compiles without a graph break, but the graph is that one call: nothing is left to fuse, so `auto`
-  leaves it eager there (README, "Compiled decode").
+- CPU: symbolic shapes (rows, sequences and the attended key range), nothing padded, so the logits are eager's bits:
+  padding rows or keys would change torch's matmul and SDPA sums on the float path.
+  - Quantized weights (the default): each block is already one C++ call (kernels.cpp `sc_block`), registered as
+    the torch custom op `spec_cli::block` (fake implementation; it writes the caches in place) so the loop compiles
+    without graph breaks. The graph is those calls: nothing is left to fuse, and the dispatcher costs more per
+    call than ctypes, so it measured slower (README, "Compiled decode") and `auto` leaves it eager.
+  - Float weights (`--dtype f32`): inductor fuses the torch ops of `Block.forward_torch` around torch's matmuls and
+    SDPA; RMS norm (the kernels' own, as on the eager path) and GELU-tanh are custom ops, the eager bits.
+- CUDA (written, never run on a GPU): mode "reduce-overhead", one CUDA graph per shape, static shapes padded to the
+  ROW_BUCKETS (groups and rows) and the key range to a power of two; padded rows are never written to the cache,
+  padded keys are masked; the KV caches are marked as static addresses so the graphs write them in place.
 
 Caches: dynamo's compiled frames live in the process; inductor's FX graph cache and AOTAutograd's cache (torch's
 defaults) are kept under `TORCHINDUCTOR_CACHE_DIR`, which spec-cli points at `~/.cache/spec-cli/torch-compile`
 (`SPEC_CLI_CACHE` moves it) unless the environment already sets it, so a second run skips code generation and the
-C++ compiler. A compile that takes longer than half a second shows a progress line on stderr.
+C++ compiler. A call that takes longer than half a second (a compile) shows a progress line on stderr.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 
 from spec_cli import kernels
 from spec_cli.errors import UsageError
-from spec_cli.model import Block, ForwardPlan, Transformer, rope_table
+from spec_cli.model import ForwardPlan, Transformer, rope_table
 
 MODES = ("auto", "on", "off")
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # sequences per step and rows per sequence, each padded up to one of these
@@ -60,18 +61,13 @@ def kv_bucket(n_kv: int, n_ctx_seq: int) -> int:
 
 
 def wanted(mode: str, model, on_cuda: bool, quantized: bool) -> bool:
-    """Whether a context compiles its model's step: `on` always (where the model is a plain Transformer), `auto`
-    where it measurably wins: the float path on the CPU (measured: README); not the quantized CPU path (one C++
-    call per block already) and not CUDA until it has run on a GPU."""
+    """Whether a context compiles its model's step: `on` always (where the model is a plain Transformer); `auto`
+    where it measurably wins and compiles in reasonable time: nowhere so far (README, "Compiled decode": slower on
+    the quantized CPU path, 1.1x on f32 for minutes of compiling, CUDA never run)."""
     check_mode(mode)
     if mode == "off" or not isinstance(model, Transformer):
         return False
-    if mode == "on":
-        return True
-    return not on_cuda and not quantized and AUTO_FLOAT_CPU
-
-
-AUTO_FLOAT_CPU = False  # set from the measurements (README "Compiled decode")
+    return mode == "on"
 
 
 # --- the C++ block as a torch custom op --------------------------------------------------------------------------
