@@ -164,11 +164,12 @@ class CompiledStep:
     """Runs one decoder block of a step compiled (`Transformer.forward_hidden(..., step=)`); Context pads the step's
     rows to ROW_BUCKETS (`fits`, `bucket`) before it calls the model."""
 
-    def __init__(self, name: str, cuda: bool):
+    def __init__(self, name: str, cuda: bool, pad: bool | None = None):
         use_cache_dir()
         _configure()
         register_ops()
         self.name, self.cuda = name, cuda
+        self._pad = cuda if pad is None else pad  # pad=True on the CPU: the CUDA graphs' shapes (for tests)
         self.stats = CompileStats()
         if cuda:
             # one CUDA graph per shape: static shapes (dynamic=False), graphs replayed by cudagraph trees
@@ -186,7 +187,7 @@ class CompiledStep:
         """Whether the step's shapes are padded to buckets: for CUDA graphs (one per shape). The CPU graphs take
         symbolic shapes, unpadded: padding rows or keys changes the float path's bits (torch's matmul and SDPA
         sum in other blocks), and would cost the quantized path work for nothing."""
-        return self.cuda
+        return self._pad
 
     @staticmethod
     def fits(n_groups: int, n_rows: int) -> bool:
@@ -223,12 +224,12 @@ class CompiledStep:
             row_args = (plan.row_seq, plan.row_pos, plan.row_write)
         else:
             row_args = (None, None, None)
-        if not self.cuda:  # the key range is a symbol from the first compile (else: one recompile on its change)
+        if not self._pad:  # the key range is a symbol from the first compile (else: one recompile on its change)
             for mask in (plan.mask_full, plan.mask_swa):
                 if mask is not None:
                     torch._dynamo.maybe_mark_dynamic(mask, 3)
             torch._dynamo.maybe_mark_dynamic(x, 1)
-        else:  # a new replay generation: the previous step's outputs were copied out (Context indexes its rows)
+        if self.cuda:  # a new replay generation: the previous step's outputs were copied out (Context indexes its rows)
             torch.compiler.cudagraph_mark_step_begin()
         args = (model, x, plan.positions, plan.write_rows, plan.write_seq, plan.write_pos, plan.kv_seqs,
                 plan.mask_full, plan.mask_swa, [ropes[False], ropes[True]], kv, descs, windows, tables, *row_args)

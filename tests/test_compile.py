@@ -66,20 +66,19 @@ def one_row_at_a_time(lm, tokens) -> torch.Tensor:
     return torch.cat([ctx.decode(rows(tokens[i : i + 1], start=i)).logits for i in range(len(tokens))])
 
 
-@pytest.mark.skipif(not kernels.available(), reason="the compiled kernels were not built")
-def test_quantized_path_compiled_logits_are_bit_identical_and_batch_invariant(tmp_path):
-    lm = load_model(write_tiny_gguf(tmp_path / "tiny-q8_0.gguf", arch="llama", seed=7, qtype=T.Q8_0), device="cpu")
+@pytest.fixture(scope="module")
+def q_model(tmp_path_factory):
+    """A tiny Q8_0 model on the kernels, and each prompt's eager logits decoded one row at a time."""
+    if not kernels.available():
+        pytest.skip("the compiled kernels were not built")
+    path = write_tiny_gguf(tmp_path_factory.mktemp("q") / "tiny-q8_0.gguf", arch="llama", seed=7, qtype=T.Q8_0)
+    lm = load_model(path, device="cpu")
     assert lm.weights == "q"
-    refs = [one_row_at_a_time(lm, p + [1, 2, 3, 4]) for p in PROMPTS]  # eager, one row at a time
-    # one sequence: the prompt in one decode (12 rows), then single rows
-    ctx = Context(lm, n_ctx=64, compile="on")
-    prompt = PROMPTS[0] + [1, 2, 3, 4]
-    got = torch.cat([ctx.decode(rows(prompt[:12])).logits] + [ctx.decode(rows([t], start=12 + i)).logits
-                                                               for i, t in enumerate(prompt[12:])])
-    assert ctx.step is not None and ctx.step.stats.calls == 5
-    assert torch.equal(got, refs[0])
-    # four sequences side by side: 3 of them first, then verify batches of 1-3 rows each
-    ctx = Context(lm, n_ctx=4 * 64, n_seq=4, compile="on")
+    return lm, [one_row_at_a_time(lm, p + [1, 2, 3, 4]) for p in PROMPTS]
+
+
+def four_sequences_in_verify_batches(ctx) -> list[torch.Tensor]:
+    """3 sequences' first 5 rows in one decode, then batches of 1-3 rows of every sequence (the 4th starts late)."""
     got = [[] for _ in PROMPTS]
     b = Batch()
     for seq in range(3):
@@ -100,8 +99,35 @@ def test_quantized_path_compiled_logits_are_bit_identical_and_batch_invariant(tm
         out = ctx.decode(b).logits
         for seq in range(4):
             got[seq].append(out[[i for i, o in enumerate(owners) if o == seq]])
-    for seq in range(4):
-        assert torch.equal(torch.cat(got[seq]), refs[seq]), f"sequence {seq}"
+    return [torch.cat(g) for g in got]
+
+
+def test_quantized_path_compiled_logits_are_bit_identical_and_batch_invariant(q_model):
+    lm, refs = q_model
+    # one sequence: the prompt in one decode (12 rows), then single rows
+    ctx = Context(lm, n_ctx=64, compile="on")
+    prompt = PROMPTS[0] + [1, 2, 3, 4]
+    got = torch.cat([ctx.decode(rows(prompt[:12])).logits] + [ctx.decode(rows([t], start=12 + i)).logits
+                                                               for i, t in enumerate(prompt[12:])])
+    assert ctx.step is not None and ctx.step.stats.calls == 5
+    assert torch.equal(got, refs[0])
+    # four sequences side by side in verify batches == each alone, one row at a time, eager
+    ctx = Context(lm, n_ctx=4 * 64, n_seq=4, compile="on")
+    for seq, logits in enumerate(four_sequences_in_verify_batches(ctx)):
+        assert torch.equal(logits, refs[seq]), f"sequence {seq}"
+    assert ctx.step.stats.calls >= 5
+
+
+def test_bucket_padding_keeps_the_quantized_logits(q_model):
+    """The CUDA graphs' padded shapes (groups 3 -> 4, rows 3 -> 4, keys to a power of two), run on the CPU: padded
+    rows are never written and the kernels compute each row alone, so the logits are still eager's bits."""
+    from spec_cli.compiled import CompiledStep
+
+    lm, refs = q_model
+    ctx = Context(lm, n_ctx=4 * 64, n_seq=4)
+    ctx.step = CompiledStep("tiny-q8_0", cuda=False, pad=True)
+    for seq, logits in enumerate(four_sequences_in_verify_batches(ctx)):
+        assert torch.equal(logits, refs[seq]), f"sequence {seq}"
     assert ctx.step.stats.calls >= 5
 
 
