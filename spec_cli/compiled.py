@@ -60,7 +60,7 @@ def kv_bucket(n_kv: int, n_ctx_seq: int) -> int:
     return min(n_ctx_seq, max(MIN_KV, 1 << max(n_kv - 1, 0).bit_length()))
 
 
-def wanted(mode: str, model, on_cuda: bool, quantized: bool) -> bool:
+def wanted(mode: str, model) -> bool:
     """Whether a context compiles its model's step: `on` always (where the model is a plain Transformer); `auto`
     where it measurably wins and compiles in reasonable time: nowhere so far (README, "Compiled decode": slower on
     the quantized CPU path, 1.1x on f32 for minutes of compiling, CUDA never run)."""

@@ -60,14 +60,11 @@ class Context:
     def _init_compiled(self, mode: str) -> None:
         from spec_cli import compiled
 
-        model = self.model
-        on_cuda = any(d.type == "cuda" for d in model.layer_devices)
-        quantized = self.loaded.weights == "q"
         if getattr(self.loaded, "shard", None) is not None:  # -tp: the followers' contexts are not compiled
             return
-        if compiled.wanted(mode, model, on_cuda, quantized):
-            name = self.loaded.gguf.path.stem
-            self.step = compiled.CompiledStep(name, on_cuda)
+        if compiled.wanted(mode, self.model):
+            on_cuda = any(d.type == "cuda" for d in self.model.layer_devices)
+            self.step = compiled.CompiledStep(self.loaded.gguf.path.stem, on_cuda)
             self.step.prepare_cache(self.kv)
 
     @property
