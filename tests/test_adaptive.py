@@ -312,6 +312,20 @@ def test_a_draft_models_first_probe_is_priced_by_its_first_catch_up_and_gaps_nev
     assert probes == [1, 1 + PROBE_GAP_MIN, 1 + 3 * PROBE_GAP_MIN, 1 + 3 * PROBE_GAP_MIN + round(2.0 / PROBE_BUDGET)]
 
 
+def test_a_dropped_drafter_comes_back_only_through_a_probe():
+    """Planned at 0, a drafter is asked again only after a probe: an estimate that drifts back over 0 without new
+    evidence (the verify cost's online refinement) would ask an idle draft model, whose cache restart from a window
+    is a price that estimate does not see."""
+    planner = planner_with(steep(), {"x": 0.9})  # sequential verify: speculation cannot pay
+    assert planner.drafting_caps(["x"], 1) == {"x": 1}  # the first probe is due at once
+    assert planner.drafting_caps(["x"], 1) == {"x": 0}
+    planner.costs = flat()  # the cost estimate drifts: now every draft length would pay ...
+    gap = planner.next_probe["x"] - planner.step - 1
+    assert gap > 0 and all(planner.drafting_caps(["x"], 1) == {"x": 0} for _ in range(gap))  # ... not asked
+    assert planner.drafting_caps(["x"], 1) == {"x": 1}  # until its probe
+    assert planner.drafting_caps(["x"], 1)["x"] > 1  # whose evidence brings it back
+
+
 # --- lossless, end to end ------------------------------------------------------------------------------------
 
 CHAINS = ["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "draft-simple",

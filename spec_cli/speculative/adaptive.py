@@ -152,6 +152,10 @@ class Planner:
         self.next_probe: dict[str, int] = {}
         self.probe_gap: dict[str, int] = {}
         self.probing: set[str] = set()  # drafters granted a probe this step
+        # drafters planned at 0: asked again only when a probe's outcome says so (a draft model idle for a while
+        # restarts its cache from a window, a price the estimate that tips it back over 0 does not see)
+        self.dropped: set[str] = set()
+        self.probes_granted: set[str] = set()  # drafters granted a probe at the last step
         self.probe_catch_up: dict[str, float] = {}  # seconds the last probe (or first ask) of a drafter caught up
 
     # --- planning -------------------------------------------------------------------------------------------
@@ -160,16 +164,23 @@ class Planner:
         """Per drafter, the most tokens worth drafting this step: the best length if all n_seq sequences drafted
         with it (an upper estimate of what `plan` will keep), or 1 when its probe is due; 0 = do not ask it."""
         self.step += 1
+        probed = self.probes_granted
         self.probing.clear()
         caps = {}
         for name in names:
             k = self._uniform_length(name, n_seq)
+            if k > 0 and name in self.dropped and name not in probed:
+                k = 0  # fallen to 0: only a probe's evidence brings it back, not a drift of the cost estimates
             if k > 0:  # worth asking: should it fall back to 0, its probes start over at the shortest gap
+                self.dropped.discard(name)
                 self._schedule_probe(name, self._probe_gap_min(name))
-            elif self._probe_due(name):
-                k = 1
-                self.probing.add(name)
+            else:
+                self.dropped.add(name)
+                if self._probe_due(name):
+                    k = 1
+                    self.probing.add(name)
             caps[name] = k
+        self.probes_granted = set(self.probing)
         return caps
 
     def plan(self, drafts: list[tuple[str | None, int]], drafting_s: float) -> list[int]:

@@ -27,7 +27,11 @@ from spec_cli.speculative.base import DraftParams, Drafter, SpecParams, TargetCa
 DRAFT_TOP_K = 10  # llama.cpp LLAMA_DRAFT_TOP_K
 VOCAB_MAX_SIZE_DIFFERENCE = 128  # llama.cpp SPEC_VOCAB_MAX_SIZE_DIFFERENCE
 VOCAB_CHECK_START_TOKEN_ID = 5  # llama.cpp SPEC_VOCAB_CHECK_START_TOKEN_ID
-DEFER_MAX = 64  # target positions a sequence's draft cache may lag behind before `process` catches it up
+# Target positions a sequence's draft cache may lag behind before `process` catches it up in a batch of its own: a
+# longer lag is a prompt (or a streak another drafter won), mirrored when the target decodes it, as llama.cpp's
+# draft mirrors prompt chunks, so a prompt's prefill is prompt time whatever its length (at 64, prompts of 17-64
+# tokens were prefilled inside the first draft, 4 % of a 128-token generation with the 0.5b draft on one thread).
+DEFER_MAX = 16
 # A lag of at most this many rows (the usual accepted tokens of the last step) is decoded in draft(), in the seed
 # row's batch and priced as drafting: every step pays it. `catch_up` takes only longer lags (an idle drafter).
 CATCH_UP_MIN = 16
