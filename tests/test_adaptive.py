@@ -287,17 +287,18 @@ def test_a_right_but_dear_drafter_is_probed_ever_more_rarely():
     assert PROBE_GAP_MAX < 4 * first and next_probe(0.0) == PROBE_GAP_MAX
 
 
-def test_a_draft_models_first_probe_is_priced_by_its_first_catch_up_and_gaps_never_undercut_the_price():
-    """A draft model's first ask catches its cache up with the prompt; its first probe (after it falls to 0) will
-    restart from a window of about that size, so that price schedules the first probe, not the shortest gap. And a
+def test_a_draft_models_first_probe_is_priced_by_its_prompt_prefill_and_gaps_never_undercut_the_price():
+    """A draft model mirrors the prompt; its first probe (after it falls to 0) will restart from a window of about
+    that size, so that price schedules the first probe, not the shortest gap. And a
     probe that turns out dearer than the doubled gap allows pushes the next probe out to the price's gap."""
     planner = planner_with(flat(), {"x": 1.0})  # worth asking at first
     planner.observe_drafting("x", 9.0, 1)  # not priced
     planner.observe_drafting("x", 0.3, 1)
+    planner.observe_mirroring("x", 1.0)  # the prompt: one forward's worth of prefill
     assert planner.drafting_caps(["x"], 1)["x"] > 0
-    planner.observe_catch_up("x", 1.0)  # the first ask: one forward's worth of prompt prefill
+    planner.observe_mirroring("x", 0.0)  # a verify step's rows: not a probe's price
+    planner.observe_catch_up("x", 0.0)  # an ask with a cache in step: neither
     assert planner.drafting_caps(["x"], 1)["x"] > 0
-    planner.observe_catch_up("x", 0.0)  # later asks with a cache in step: not a probe's price
     planner.acceptance.gains = lambda name: [0.0] * AUTO_DRAFT_MAX  # the text changes: never right any more
     price = 1.0 + 0.3  # + a flat curve's free extra row, in one-row forwards
     probes = [step for step in range(3, 1000) if planner.drafting_caps(["x"], 1)["x"] == 1]

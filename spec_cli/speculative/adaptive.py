@@ -156,7 +156,7 @@ class Planner:
         # restarts its cache from a window, a price the estimate that tips it back over 0 does not see)
         self.dropped: set[str] = set()
         self.probes_granted: set[str] = set()  # drafters granted a probe at the last step
-        self.probe_catch_up: dict[str, float] = {}  # seconds the last probe (or first ask) of a drafter caught up
+        self.probe_catch_up: dict[str, float] = {}  # seconds the last probe of a drafter (or its prompt) caught up
 
     # --- planning -------------------------------------------------------------------------------------------
 
@@ -266,11 +266,16 @@ class Planner:
         self.draft_costs.setdefault(name, DraftCost()).observe(seconds, n_tokens)
 
     def observe_catch_up(self, name: str, seconds: float) -> None:
-        """Drafter `name` spent `seconds` bringing its cache up to date before drafting (its `catch_up`). A probe's
-        catch-up prices the next probes; before the first probe, the first ask's (a draft model's prefill of the
-        prompt, about a probe's restart window) stands in for it, so the first probe is not scheduled as if free."""
-        if name in self.probing or name not in self.probe_catch_up:
+        """Drafter `name` spent `seconds` bringing its cache up to date before drafting (its `catch_up`): a probe's
+        catch-up prices the next probes."""
+        if name in self.probing:
             self.probe_catch_up[name] = seconds
+
+    def observe_mirroring(self, name: str, seconds: float) -> None:
+        """Drafter `name` spent `seconds` mirroring a target decode (its `process`). The first, the prompt (a draft
+        model's prefill of it, about a probe's restart window), stands in for a probe's catch-up until a probe is
+        measured, so the first probe is not scheduled as if it were free."""
+        self.probe_catch_up.setdefault(name, seconds)
 
     def observe_yield(self, name: str, n_asked: int, n_drafts: int) -> None:
         """Drafter `name` was asked to draft for n_asked sequences and gave n_drafts non-empty drafts."""

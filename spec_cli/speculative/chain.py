@@ -80,7 +80,10 @@ class Chain:
 
     def process(self, batch: Batch) -> None:
         for d in self.drafters:
+            t0 = time.perf_counter()
             d.process(batch)
+            if self.planner is not None:
+                self.planner.observe_mirroring(d.name, time.perf_counter() - t0)
 
     def draft(self, params: list[DraftParams], enabled: dict[int, set[str]] | None = None,
               caps: dict[str, int] | None = None) -> dict[str, float]:
