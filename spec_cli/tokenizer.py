@@ -250,29 +250,8 @@ class Tokenizer:
         """llm_tokenizer_bpe_session: merge the lowest-ranked adjacent pair (leftmost on ties) until none is left."""
         if self._ignore_merges and word in self._token_to_id:
             return [self._token_to_id[word]]
-        syms = list(word)
-        nxt = [*range(1, len(syms)), -1]
-        prv = list(range(-1, len(syms) - 1))
-        queue: list[tuple[int, int, int, str]] = []  # (rank, left, right, merged text)
-
-        def add_bigram(left: int, right: int) -> None:
-            if left >= 0 and right >= 0:
-                rank = self._ranks.get(syms[left] + " " + syms[right])
-                if rank is not None:
-                    heapq.heappush(queue, (rank, left, right, syms[left] + syms[right]))
-
-        for i in range(len(syms) - 1):
-            add_bigram(i, i + 1)
-        while queue:
-            _, left, right, text = heapq.heappop(queue)
-            if not syms[left] or not syms[right] or syms[left] + syms[right] != text:
-                continue  # outdated: one side was merged since this pair was queued
-            syms[left], syms[right] = text, ""
-            nxt[left] = nxt[right]
-            if nxt[right] >= 0:
-                prv[nxt[right]] = left
-            add_bigram(prv[left], left)
-            add_bigram(left, nxt[left])
+        ranks = self._ranks
+        syms = merge_pairs(list(word), lambda left, right: ranks.get(left + " " + right))
         out = []
         for sym in syms:
             if not sym:
@@ -289,29 +268,13 @@ class Tokenizer:
 
         llama.cpp's resegment() can only meet a final symbol that is not a token when it is a single character
         (merges always form tokens), so byte fallback covers it."""
-        syms = list(text)
-        nxt = [*range(1, len(syms)), -1]
-        prv = list(range(-1, len(syms) - 1))
-        queue: list[tuple[float, int, int, int]] = []  # (-score, left, right, merged length)
+        token_to_id, scores = self._token_to_id, self._scores
 
-        def add_bigram(left: int, right: int) -> None:
-            if left >= 0 and right >= 0:
-                tid = self._token_to_id.get(syms[left] + syms[right])
-                if tid is not None:
-                    heapq.heappush(queue, (-self._scores[tid], left, right, len(syms[left]) + len(syms[right])))
+        def priority(left: str, right: str) -> float | None:
+            tid = token_to_id.get(left + right)
+            return None if tid is None else -scores[tid]
 
-        for i in range(len(syms) - 1):
-            add_bigram(i, i + 1)
-        while queue:
-            _, left, right, size = heapq.heappop(queue)
-            if not syms[left] or not syms[right] or len(syms[left]) + len(syms[right]) != size:
-                continue
-            syms[left], syms[right] = syms[left] + syms[right], ""
-            nxt[left] = nxt[right]
-            if nxt[right] >= 0:
-                prv[nxt[right]] = left
-            add_bigram(prv[left], left)
-            add_bigram(left, nxt[left])
+        syms = merge_pairs(list(text), priority)
         out = []
         for sym in syms:
             if not sym:
@@ -396,3 +359,32 @@ class StreamDecoder:
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character becomes U+FFFD)."""
         return self._utf8.decode(b"", final=True)
+
+
+def merge_pairs(syms: list[str], priority) -> list[str]:
+    """The merge loop of llama.cpp's BPE and SPM sessions: repeatedly merge the adjacent pair with the lowest
+    `priority(left, right)` (None = never merge; leftmost on ties) until none is left. Returns the symbols, merged
+    ones emptied ("")."""
+    nxt = [*range(1, len(syms)), -1]
+    prv = list(range(-1, len(syms) - 1))
+    queue: list[tuple] = []  # (priority, left, right, merged text)
+
+    def add_pair(left: int, right: int) -> None:
+        if left >= 0 and right >= 0:
+            key = priority(syms[left], syms[right])
+            if key is not None:
+                heapq.heappush(queue, (key, left, right, syms[left] + syms[right]))
+
+    for i in range(len(syms) - 1):
+        add_pair(i, i + 1)
+    while queue:
+        _, left, right, text = heapq.heappop(queue)
+        if not syms[left] or not syms[right] or syms[left] + syms[right] != text:
+            continue  # outdated: one side was merged since this pair was queued
+        syms[left], syms[right] = text, ""
+        nxt[left] = nxt[right]
+        if nxt[right] >= 0:
+            prv[nxt[right]] = left
+        add_pair(prv[left], left)
+        add_pair(left, nxt[left])
+    return syms

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from spec_cli.cli.common import TextCollector, TextStream, prompt_tokens, read_prompt, run_once
+from spec_cli.cli.common import TextStream, read_prompt, run_prompt
 from spec_cli.cli.options import engine_options, sampling_params, with_options
 from spec_cli.cli.output import print_json, print_summary, stderr
 from spec_cli.generate import generate
@@ -24,16 +24,10 @@ def run(opts: dict) -> None:
     text = read_prompt(opts, required=not interactive)
     sampling = sampling_params(opts)
     session = open_session(engine_options(opts))
-    engine = session.engine
     if interactive:
         chat_loop(session, text, sampling, opts)
         return
-    tokens = prompt_tokens(engine, text, opts["conversation"], opts["chat_template"])
-    sink = TextCollector(engine) if opts["json_output"] else TextStream(engine)
-    if not opts["conversation"]:
-        sink.echo(text)
-    result = run_once(session, tokens, sampling, opts["n_predict"], sink)
-    summary = result.to_dict(session)
+    summary = run_prompt(session, text, sampling, opts)
     if opts["json_output"]:
         print_json(summary)
     else:

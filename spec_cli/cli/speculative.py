@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from spec_cli.cli.common import TextCollector, TextStream, prompt_tokens, read_prompt, run_once
+from spec_cli.cli.common import read_prompt, run_prompt
 from spec_cli.cli.options import engine_options, sampling_params, text_log, with_options
 from spec_cli.cli.output import print_json, print_summary, print_text_log
 from spec_cli.options import LOG, MODEL, PROMPT, SAMPLING, SPEC
@@ -28,13 +28,7 @@ def speculative_simple(
     text = read_prompt(opts)
     sampling = sampling_params(opts)
     session = open_session(engine_options(opts, speculative=True))
-    engine = session.engine
-    tokens = prompt_tokens(engine, text, opts["conversation"], opts["chat_template"])
-    sink = TextCollector(engine) if opts["json_output"] else TextStream(engine, color=color)
-    if not opts["conversation"]:
-        sink.echo(text)
-    result = run_once(session, tokens, sampling, opts["n_predict"], sink)
-    summary = result.to_dict(session)
+    summary = run_prompt(session, text, sampling, opts, color=color)
     if opts["json_output"]:
         print_json(summary)
         return
