@@ -145,12 +145,12 @@ def run_once(session: Session, tokens: list[int], sampling: SamplingParams, n_pr
     )
 
 
-def run_prompt(session: Session, text: str, sampling: SamplingParams, opts: dict, color: bool = False) -> dict:
+def run_prompt(session: Session, text: str, sampling: SamplingParams, opts: dict, color: bool = False) -> RunResult:
     """One prompt of a command's flags (-p/-f, -cnv, --chat-template, -n, --json) through `run_once`: the text
-    streams to stdout as it comes (echoing a raw prompt first) or is collected for --json; returns the summary."""
+    streams to stdout as it comes (echoing a raw prompt first) or is collected for --json."""
     engine = session.engine
     tokens = prompt_tokens(engine, text, opts["conversation"], opts["chat_template"])
     sink = TextCollector(engine) if opts["json_output"] else TextStream(engine, color=color)
     if not opts["conversation"]:
         sink.echo(text)
-    return run_once(session, tokens, sampling, opts["n_predict"], sink).to_dict(session)
+    return run_once(session, tokens, sampling, opts["n_predict"], sink)

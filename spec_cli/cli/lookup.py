@@ -15,7 +15,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from spec_cli.cli.common import TextCollector, TextStream, prompt_tokens, read_prompt, run_once
+from spec_cli.cli.common import read_prompt, run_prompt
 from spec_cli.cli.options import engine_options, sampling_params, text_log, with_options
 from spec_cli.cli.output import print_json, print_lookup_text_log, run_table, stderr
 from spec_cli.engine import build_engine
@@ -50,11 +50,7 @@ def lookup(
                       lookup_cache_dynamic=opts["lookup_cache_dynamic"], adaptive=adaptive)
     engine = build_engine(engine_options(opts))  # no spec types: the caches load in open_lookup_session, timed
     session, t_load_ms = open_lookup_session(engine, spec, draft_max)
-    tokens = prompt_tokens(engine, text, opts["conversation"], opts["chat_template"])
-    sink = TextCollector(engine) if opts["json_output"] else TextStream(engine, color=color)
-    if not opts["conversation"]:
-        sink.echo(text)
-    result = run_once(session, tokens, sampling, opts["n_predict"], sink)
+    result = run_prompt(session, text, sampling, opts, color=color)
     if opts["lookup_cache_dynamic"]:
         save_dynamic_cache(session, result.sequence)
     summary = {**result.to_dict(session), **lookup_figures(session, result.sequence, t_load_ms)}

@@ -27,7 +27,7 @@ def run(opts: dict) -> None:
     if interactive:
         chat_loop(session, text, sampling, opts)
         return
-    summary = run_prompt(session, text, sampling, opts)
+    summary = run_prompt(session, text, sampling, opts).to_dict(session)
     if opts["json_output"]:
         print_json(summary)
     else:

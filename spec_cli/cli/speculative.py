@@ -28,7 +28,7 @@ def speculative_simple(
     text = read_prompt(opts)
     sampling = sampling_params(opts)
     session = open_session(engine_options(opts, speculative=True))
-    summary = run_prompt(session, text, sampling, opts, color=color)
+    summary = run_prompt(session, text, sampling, opts, color=color).to_dict(session)
     if opts["json_output"]:
         print_json(summary)
         return
