@@ -50,7 +50,6 @@ class Context:
         ]
         self.lengths = [0] * n_seq
         self.step = None  # compiled.CompiledStep with --compile: decode/verify shapes run compiled, padded to buckets
-        self._compile = compile
         if compile != "off":
             self._init_compiled(compile)
         self.n_decode = 0  # number of decode calls (llama.cpp's n_eval/n_decode_total)
@@ -184,7 +183,7 @@ class Context:
         with torch.inference_mode():
             if step is not None:
                 hidden = self.model.forward_hidden(tokens_t, plan, self.kv, step=step)
-            else:
+            else:  # every model's forward_hidden, the MTP head's runner included (it is never compiled)
                 hidden = self.model.forward_hidden(tokens_t, plan, self.kv)  # [G, T, D]
         order = torch.tensor([flat_of_row[i] for i in rows], dtype=torch.long, device=hidden.device)
         return hidden.reshape(G * T, -1)[order]

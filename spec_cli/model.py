@@ -311,22 +311,22 @@ class Transformer(nn.Module):
         x = self.tok_embd(tokens).to(self.dtype)
         if cfg.embed_scale != 1.0:
             x = x * cfg.embed_scale
-        plans: dict[torch.device, tuple] = {}
         if step is not None:  # one graph for the whole loop below
-            ropes = {swa: rope_tables(plan.positions, cfg.rope_dim, base, cfg.rope_scale)
-                     for swa, base in ((False, cfg.rope_base), (True, cfg.rope_base_swa))}
-            return step(self, x, plan, ropes, kv)
+            return step(self, x, plan, self.ropes(plan.positions), kv)
+        plans: dict[torch.device, tuple] = {}
         for layer, device, (k_cache, v_cache) in zip(self.layers, self.layer_devices, kv):
             if device not in plans:
                 p = plan if plan.positions.device == device else plan.to(device)
-                ropes = {
-                    False: rope_tables(p.positions, cfg.rope_dim, cfg.rope_base, cfg.rope_scale),
-                    True: rope_tables(p.positions, cfg.rope_dim, cfg.rope_base_swa, cfg.rope_scale),
-                }
-                plans[device] = (p, ropes)
+                plans[device] = (p, self.ropes(p.positions))
             p, ropes = plans[device]
             x = layer(x.to(device), p, ropes[layer.swa], k_cache, v_cache)
         return x
+
+    def ropes(self, positions: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+        """The rope tables of these positions for full-attention (False) and sliding-window (True) layers."""
+        cfg = self.cfg
+        return {swa: rope_tables(positions, cfg.rope_dim, base, cfg.rope_scale)
+                for swa, base in ((False, cfg.rope_base), (True, cfg.rope_base_swa))}
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., D] (pre-norm) -> logits [..., V] in float32."""
