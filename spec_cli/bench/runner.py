@@ -244,7 +244,7 @@ def _row_head(build: dict, model: BenchModel, inst: Instance, n_threads: int) ->
 
 def compile_seconds(ctx: Context) -> float:
     """Seconds a context's calls spent compiling (--compile, compiled.py); 0 for an eager one."""
-    step = getattr(ctx, "step", None)
+    step = ctx.step
     return step.stats.seconds if step is not None else 0.0
 
 
