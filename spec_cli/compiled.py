@@ -13,9 +13,12 @@ graph inputs, so a graph serves every model of the same shapes (a target and a s
     call than ctypes, so it measured slower (README, "Compiled decode") and `auto` leaves it eager.
   - Float weights (`--dtype f32`): inductor fuses the torch ops of `Block.forward_torch` around torch's matmuls and
     SDPA; RMS norm (the kernels' own, as on the eager path) and GELU-tanh are custom ops, the eager bits.
-- CUDA (written, never run on a GPU): mode "reduce-overhead", one CUDA graph per shape, static shapes padded to the
-  ROW_BUCKETS (groups and rows) and the key range to a power of two; padded rows are never written to the cache,
-  padded keys are masked; the KV caches are marked as static addresses so the graphs write them in place.
+- CUDA: mode "reduce-overhead" (CUDA graphs), shapes padded to the ROW_BUCKETS (groups and rows) and the key range
+  to a power of two, so cudagraph trees record one CUDA graph per bucket over one compiled graph (rows and key range
+  symbolic); padded rows are never written to the cache, padded keys are masked; the KV caches are marked as static
+  addresses so the graphs write them in place. Ran on one H100 (docs/performance.md, "CUDA"): plain decode of a
+  1.5b-shaped bf16 model 6-9x eager's tok/s after a 40 s first compile. Not bit-identical to eager there (inductor
+  fuses bf16 ops in another order); speculative chains and several sequences compiled on CUDA have not run.
 
 Caches: dynamo's compiled frames live in the process; inductor's FX graph cache and AOTAutograd's cache (torch's
 defaults) are kept under `TORCHINDUCTOR_CACHE_DIR`, which spec-cli points at `~/.cache/spec-cli/torch-compile`
@@ -63,7 +66,8 @@ def kv_bucket(n_kv: int, n_ctx_seq: int) -> int:
 def wanted(mode: str, model) -> bool:
     """Whether a context compiles its model's step: `on` always (where the model is a plain Transformer); `auto`
     where it measurably wins and compiles in reasonable time: nowhere so far (README, "Compiled decode": slower on
-    the quantized CPU path, 1.1x on f32 for minutes of compiling, CUDA never run)."""
+    the quantized CPU path, 1.1x on f32 for minutes of compiling; on CUDA 6-9x for plain decode, but the
+    speculative and multi-sequence shapes have not run on a GPU)."""
     check_mode(mode)
     if mode == "off" or not isinstance(model, Transformer):
         return False
@@ -173,7 +177,7 @@ class CompiledStep:
         self.stats = CompileStats()
         if cuda:
             # one CUDA graph per shape: static shapes (dynamic=False), graphs replayed by cudagraph trees
-            self._fn = torch.compile(_layers, mode="reduce-overhead", dynamic=False, fullgraph=True)
+            self._fn = torch.compile(_layers, mode="reduce-overhead", fullgraph=True)
         else:
             self._fn = torch.compile(_layers, dynamic=True, fullgraph=True)
         self._descs: dict[int, torch.Tensor] = {}  # id(BlockDesc) -> its address as a tensor (no guard on it)
@@ -224,11 +228,12 @@ class CompiledStep:
             row_args = (plan.row_seq, plan.row_pos, plan.row_write)
         else:
             row_args = (None, None, None)
-        if not self._pad:  # the key range is a symbol from the first compile (else: one recompile on its change)
-            for mask in (plan.mask_full, plan.mask_swa):
-                if mask is not None:
-                    torch._dynamo.maybe_mark_dynamic(mask, 3)
-            torch._dynamo.maybe_mark_dynamic(x, 1)
+        # the key range is a symbol from the first compile (else: one recompile on its change); under CUDA graphs
+        # too: one compiled graph, and cudagraph trees record a CUDA graph per padded shape it is called with
+        for mask in (plan.mask_full, plan.mask_swa):
+            if mask is not None:
+                torch._dynamo.maybe_mark_dynamic(mask, 3)
+        torch._dynamo.maybe_mark_dynamic(x, 1)
         if self.cuda:  # a new replay generation: the previous step's outputs were copied out (Context indexes its rows)
             torch.compiler.cudagraph_mark_step_begin()
         args = (model, x, plan.positions, plan.write_rows, plan.write_seq, plan.write_pos, plan.kv_seqs,

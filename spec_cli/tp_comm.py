@@ -48,10 +48,20 @@ def world_size(requested: int) -> int:
 
 
 def rank_device(device: str | None) -> torch.device:
-    """This rank's device for `-dev`: cuda:LOCAL_RANK where the device is CUDA, else the CPU."""
-    if parse_device(device).type == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+    """This rank's device for `-dev`: cuda:LOCAL_RANK where the device is CUDA, else the CPU. `auto` is CUDA only
+    where the machine has a GPU for each of its ranks (one H100 and -tp 2: every rank on the CPU); a CUDA device
+    named with too few GPUs is a usage error."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    n_local = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else current().world
+    n_gpus = torch.cuda.device_count()
+    if device in (None, "", "auto"):
+        return torch.device("cuda", local_rank) if n_gpus >= n_local else torch.device("cpu")
+    if parse_device(device).type != "cuda":
+        return torch.device("cpu")
+    if local_rank >= n_gpus:
+        raise UsageError(f"-tp: rank {local_rank} needs cuda:{local_rank} but this machine has {n_gpus} CUDA "
+                         f"device(s) (-dev cpu runs the ranks on the CPU)")
+    return torch.device("cuda", local_rank)
 
 
 def current() -> Group:

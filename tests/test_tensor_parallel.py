@@ -14,9 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from gguf import GGMLQuantizationType as T
 
 from spec_cli import tp_comm
+from spec_cli.errors import UsageError
 from tests.tiny_gguf import K_DIMS, write_tiny_gguf
 from tests.tp_driver import greedy_outputs
 
@@ -67,7 +69,9 @@ def q4k_model(tmp_path_factory) -> Path:
 
 
 def generate_json(model: Path, tp: int, *extra) -> tuple[dict, str]:
-    out = cli("run", "-m", model, "-p", "hello world hello", "-n", 24, "--temp", 0, "--json", "-tp", tp, *extra)
+    # -dev cpu: on a machine with one GPU, auto would put -tp 1 on CUDA and the 2 ranks on the CPU (rank_device)
+    out = cli("run", "-m", model, "-p", "hello world hello", "-n", 24, "--temp", 0, "--json", "-tp", tp, "-dev", "cpu",
+              *extra)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout), out.stderr
 
@@ -136,3 +140,23 @@ def test_real_model_two_ranks(real_model_path):
     whole, sharded = cli(*args), cli(*args, "-tp", 2)
     assert sharded.returncode == 0, sharded.stderr
     assert json.loads(sharded.stdout)["content"] == json.loads(whole.stdout)["content"]
+
+
+def test_rank_devices_need_a_gpu_per_rank(monkeypatch):
+    """One GPU and -tp 2: auto runs every rank on the CPU (never rank 1 on a cuda:1 that does not exist); a CUDA
+    device named explicitly is a usage error for the rank without a GPU."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for rank in ("0", "1"):
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        assert tp_comm.rank_device("auto") == torch.device("cpu")
+        assert tp_comm.rank_device("cpu") == torch.device("cpu")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert tp_comm.rank_device("cuda") == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(UsageError, match="rank 1 needs cuda:1 but this machine has 1 CUDA device"):
+        tp_comm.rank_device("cuda")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert tp_comm.rank_device("auto") == torch.device("cuda", 0)

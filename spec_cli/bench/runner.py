@@ -292,6 +292,14 @@ def gen_random(ctx: Context, n: int, n_past: int, rng: random.Random, bos: int |
     return n_past + n
 
 
+def warmup_gen(ctx: Context, n_gen: int) -> int:
+    """Tokens a tg warmup generates: 1 (llama-bench); 2 compiled (the second row compiles: the first runs eager);
+    all n_gen under CUDA graphs, which record one graph per key-range bucket (compiled.kv_bucket) the test reaches."""
+    if ctx.step is None:
+        return 1
+    return n_gen if ctx.step.pads else 2
+
+
 def run_random(model: BenchModel, inst: Instance, head: dict, params: BenchParams, progress: Progress) -> Result:
     t = inst.test
     n_ctx = max(1, t.n_prompt + t.n_gen + t.n_depth)
@@ -303,7 +311,7 @@ def run_random(model: BenchModel, inst: Instance, head: dict, params: BenchParam
         if t.n_prompt:
             decode_random(ctx, t.n_prompt, 0, rng, bos)
         if t.n_gen:
-            gen_random(ctx, 2 if ctx.step else 1, ctx.lengths[0], rng, bos, sync)  # compiled: the 2nd compiles
+            gen_random(ctx, warmup_gen(ctx, t.n_gen), ctx.lengths[0], rng, bos, sync)
         ctx.clear()
     if t.n_depth:
         decode_random(ctx, t.n_depth, 0, rng, bos)
