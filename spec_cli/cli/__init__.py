@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -47,6 +48,9 @@ def main() -> None:
         tensor_parallel.torchrun_follower()
     try:
         load_plugins()  # SPEC_CLI_PLUGINS: drafter types of other packages, registered before --spec-type is read
+        # the ~176k objects of the imports (torch, typer, rich) live as long as the process: out of the collector's
+        # full passes, which took ~2 % of a qwen2.5-coder-1.5b decode under perf
+        gc.freeze()
         # without standalone mode click returns the code of a `typer.Exit` (and 130 for ^C) instead of exiting,
         # and a command's own return value (None) otherwise
         code = app(standalone_mode=False)
