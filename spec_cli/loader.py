@@ -59,9 +59,14 @@ class LoadedModel:
     shard: str | None = None
 
 
+def is_auto_device(name: str | None) -> bool:
+    """`-dev auto` (also left out): CUDA where there is a GPU, else the CPU."""
+    return name in (None, "", "auto")
+
+
 def parse_device(name: str | None) -> torch.device:
     """`-dev`: auto | cpu | cuda | cuda:N | none (= cpu), as llama.cpp's device names loosely."""
-    if name in (None, "", "auto"):
+    if is_auto_device(name):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.lower() in ("cpu", "none"):
         return torch.device("cpu")

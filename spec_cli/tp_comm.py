@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from spec_cli.errors import SpecCliError, UsageError
-from spec_cli.loader import parse_device
+from spec_cli.loader import is_auto_device, parse_device
 
 TIMEOUT = timedelta(seconds=120)  # loading a large shard on a follower counts against it (rank 0 waits meanwhile)
 
@@ -54,7 +54,7 @@ def rank_device(device: str | None) -> torch.device:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     n_local = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else current().world
     n_gpus = torch.cuda.device_count()
-    if device in (None, "", "auto"):
+    if is_auto_device(device):
         return torch.device("cuda", local_rank) if n_gpus >= n_local else torch.device("cpu")
     if parse_device(device).type != "cuda":
         return torch.device("cpu")
