@@ -17,8 +17,8 @@ graph inputs, so a graph serves every model of the same shapes (a target and a s
   to a power of two, so cudagraph trees record one CUDA graph per bucket over one compiled graph (rows and key range
   symbolic); padded rows are never written to the cache, padded keys are masked; the KV caches are marked as static
   addresses so the graphs write them in place. Ran on one H100 (docs/cuda.md): plain decode of a 1.5b-shaped bf16
-  model 6-9x eager's tok/s after a 40 s first compile; ngram-simple equal to plain there. Not bit-identical to eager
-  on CUDA (inductor fuses bf16 ops in another order); several sequences compiled on CUDA have not run.
+  model 6-9x eager's tok/s after a 40 s first compile; ngram-simple and draft-simple equal to plain there, 1 and 4
+  sequences (tests/test_compile.py). Not bit-identical to eager on CUDA (inductor fuses bf16 ops in another order).
 
 Caches: dynamo's compiled frames live in the process; inductor's FX graph cache and AOTAutograd's cache (torch's
 defaults) are kept under `TORCHINDUCTOR_CACHE_DIR`, which spec-cli points at `~/.cache/spec-cli/torch-compile`
@@ -67,7 +67,7 @@ def wanted(mode: str, model) -> bool:
     """Whether a context compiles its model's step: `on` always (where the model is a plain Transformer); `auto`
     where it measurably wins and compiles in reasonable time: nowhere so far (README, "Compiled decode": slower on
     the quantized CPU path, 1.1x on f32 for minutes of compiling; on CUDA 6-9x for plain decode, but 30-50 s per
-    compile and several sequences never run there: docs/cuda.md)."""
+    compile and not bit-identical to eager there: docs/cuda.md)."""
     check_mode(mode)
     if mode == "off" or not isinstance(model, Transformer):
         return False

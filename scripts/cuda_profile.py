@@ -1,0 +1,61 @@
+"""Where a CUDA decode step's time goes: the torch profiler over single-token decodes, eager or under CUDA graphs.
+
+    python scripts/cuda_profile.py MODEL.gguf [--compile on|off] [--tokens 32]
+
+Decodes a short warm-up first (under CUDA graphs that records the graph for the key-range bucket the profiled
+tokens fall in), then profiles --tokens decodes at positions inside that one bucket and prints, per token: wall time,
+summed GPU kernel time, kernel launches, and the kernels that take the most GPU time. Diagnostic only (docs/cuda.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from spec_cli.batch import Batch
+from spec_cli.context import Context
+from spec_cli.loader import load_model
+
+START = 70  # first profiled position: warm-up fills 0..START-1, the profiled decodes stay in the 128-key bucket
+
+
+def one_token(ctx: Context, pos: int, tok: int) -> int:
+    b = Batch()
+    b.add(tok, pos, 0, True)
+    logits = ctx.decode(b).logits
+    return int(logits[-1].argmax())  # a host sync per token, as generation has
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--compile", default="on", choices=("on", "off"))
+    ap.add_argument("--tokens", type=int, default=32)
+    args = ap.parse_args()
+    lm = load_model(args.model, device="cuda")
+    ctx = Context(lm, n_ctx=START + args.tokens + 1, compile=args.compile)
+    tok = 1
+    for pos in range(START):
+        tok = one_token(ctx, pos, tok)
+    for pos in range(START, START + 4):  # the bucket's graph recorded and replayed once before the clock
+        tok = one_token(ctx, pos, tok)
+    ctx.seq_rm(0, START)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for pos in range(START, START + args.tokens):
+            tok = one_token(ctx, pos, tok)
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / args.tokens
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_us = sum(e.device_time for e in kernels) / args.tokens
+    print(f"--compile {args.compile}: {wall * 1e3:.2f} ms wall/token (profiled), {gpu_us / 1e3:.2f} ms GPU/token, "
+          f"{len(kernels) / args.tokens:.0f} kernels/token")
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=15, max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()
