@@ -121,11 +121,11 @@ class Context:
             if hidden:
                 hiddens.append(h)
         self.n_decode += 1
-        if logits:
-            out_logits = torch.cat(logits)
+        if logits:  # one ubatch (every decode/verify step): its tensor as it is, not a copy of 600 KB per row
+            out_logits = logits[0] if len(logits) == 1 else torch.cat(logits)
         else:
             out_logits = torch.empty(0, self.config.n_vocab, device=self.device)
-        out = DecodeOutput(out_logits, torch.cat(hiddens) if hidden else None)
+        out = DecodeOutput(out_logits, (hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)) if hidden else None)
         if self.capture_hidden:
             self.last_hidden = out.hidden
         return out
