@@ -221,7 +221,8 @@ class Generator:
             if any(s.spec.types is not None for s in seqs):
                 every = set(self.chain.names)
                 enabled = {s.seq: every if s.spec.types is None else s.spec.types for s in seqs}
-            caps = self.planner.drafting_caps(self.chain.names, len(seqs)) if self.planner is not None else None
+            caps = (self.planner.drafting_caps(self.chain.names, len(seqs), self.chain.free_names)
+                    if self.planner is not None else None)
             spent = self.chain.draft(list(params.values()), enabled, caps)
             if self.planner is not None:
                 self._cut_to_plan(seqs, params, spent)

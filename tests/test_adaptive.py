@@ -251,6 +251,31 @@ def test_a_useless_drafter_is_probed_with_growing_gaps_and_recovers():
     assert planner.probe_gap["x"] == 2 * PROBE_GAP_MIN  # start over at the shortest gap
 
 
+def test_a_free_drafter_is_always_asked_and_spends_a_probe_only_on_a_draft():
+    """An n-gram drafter planned at 0 is still asked (it costs nothing), and its probe waits for a step where it
+    has a draft: a probe that finds nothing teaches nothing, so it must not push the next one a doubled gap away
+    (a copied block starting just after it would then be decoded plainly)."""
+    planner = planner_with(flat(), {"x": 0.0, "y": 0.0})
+    free = frozenset({"x"})
+    assert planner.drafting_caps(["x"], 1, free) == {"x": 1}  # step 1: the probe is due ...
+    assert planner.plan([(None, 0)], 0.0) == [0]  # ... and x had nothing to draft
+    for _ in range(5):  # so it stays due, step after step, until x has a draft
+        assert planner.drafting_caps(["x"], 1, free) == {"x": 1} and "x" in planner.probing
+        planner.plan([(None, 0)], 0.0)
+    planner.drafting_caps(["x"], 1, free)
+    assert planner.plan([("x", 3)], 0.0) == [1]  # the probe: one token of the first draft
+    probe_step = planner.step
+    for _ in range(PROBE_GAP_MIN - 1):  # then asked (free) but not verified until the next probe is due
+        assert planner.drafting_caps(["x"], 1, free) == {"x": 1} and "x" not in planner.probing
+        assert planner.plan([("x", 3)], 0.0) == [0]
+    planner.drafting_caps(["x"], 1, free)
+    assert planner.step == probe_step + PROBE_GAP_MIN and planner.plan([("x", 3)], 0.0) == [1]
+    # a model drafter (not free) is not asked between probes, and an empty probe is spent all the same
+    assert planner.drafting_caps(["y"], 1) == {"y": 1}
+    planner.plan([(None, 0)], 0.0)
+    assert planner.drafting_caps(["y"], 1) == {"y": 0}
+
+
 def test_a_right_but_dear_drafter_is_probed_ever_more_rarely():
     """A draft model whose tokens cost more than they save (free writing) is probed at gaps that hold a probe's
     whole price (its token, the extra verify row and the catch-up of its idle cache, which is not the price of its
@@ -352,7 +377,7 @@ def tiled_costs(monkeypatch):
     def install(session, capped=True):
         session.engine.costs.set_points({1: 1.0, 4: 1.05, 5: 1.6, 8: 1.7, 9: 2.3, 16: 2.5, 64: 16.0})
         if not capped:
-            monkeypatch.setattr(Planner, "drafting_caps", lambda self, names, n_seq: {})
+            monkeypatch.setattr(Planner, "drafting_caps", lambda self, names, n_seq, free=frozenset(): {})
         return cuts
 
     return install

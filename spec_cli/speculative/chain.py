@@ -69,6 +69,11 @@ class Chain:
     def names(self) -> list[str]:
         return [d.name for d in self.drafters]
 
+    @property
+    def free_names(self) -> frozenset[str]:
+        """The drafters whose asking costs next to nothing (`Drafter.cheap`: the n-gram family)."""
+        return frozenset(d.name for d in self.drafters if d.cheap)
+
     def begin(self, seq: int, prompt: list[int]) -> None:
         self.last[seq] = None
         for d in self.drafters:
