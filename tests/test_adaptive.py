@@ -239,7 +239,7 @@ def test_several_sequences_share_the_padded_verify_batch():
 def test_a_useless_drafter_is_probed_with_growing_gaps_and_recovers():
     planner = planner_with(flat(), {"x": 0.0})  # a probe costs next to nothing: the shortest gap
     probes = [step for step in range(1, 200) if planner.drafting_caps(["x"], 1)["x"] == 1]
-    assert probes == [1, 1 + PROBE_GAP_MIN, 1 + 3 * PROBE_GAP_MIN, 1 + 7 * PROBE_GAP_MIN]
+    assert probes == [1 + PROBE_GAP_MIN, 1 + 2 * PROBE_GAP_MIN, 1 + 4 * PROBE_GAP_MIN, 1 + 8 * PROBE_GAP_MIN]
     planner.drafting_caps(["x"], 1)
     planner.step = 1000  # due again: the probe survives the plan that says 0
     assert planner.drafting_caps(["x"], 1) == {"x": 1}
@@ -270,8 +270,9 @@ def test_a_free_drafter_is_always_asked_and_spends_a_probe_only_on_a_draft():
         assert planner.plan([("x", 3)], 0.0) == [0]
     planner.drafting_caps(["x"], 1, free)
     assert planner.step == probe_step + PROBE_GAP_MIN and planner.plan([("x", 3)], 0.0) == [1]
-    # a model drafter (not free) is not asked between probes, and an empty probe is spent all the same
-    assert planner.drafting_caps(["y"], 1) == {"y": 1}
+    # a model drafter (not free) is not asked between probes, the first one included, and an empty probe is spent
+    asks = [planner.drafting_caps(["y"], 1)["y"] for _ in range(PROBE_GAP_MIN + 1)]
+    assert asks == [0] * PROBE_GAP_MIN + [1]
     planner.plan([(None, 0)], 0.0)
     assert planner.drafting_caps(["y"], 1) == {"y": 0}
 
@@ -335,7 +336,13 @@ def test_a_draft_models_first_probe_is_priced_by_its_prompt_prefill_and_gaps_nev
         if unpriced.drafting_caps(["x"], 1)["x"] == 1:
             probes.append(step)
             unpriced.observe_catch_up("x", 2.0 if len(probes) == 2 else 0.0)  # ... until the 2nd probe's price
-    assert probes == [1, 1 + PROBE_GAP_MIN, 1 + 3 * PROBE_GAP_MIN, 1 + 3 * PROBE_GAP_MIN + round(2.0 / PROBE_BUDGET)]
+    g = PROBE_GAP_MIN
+    assert probes == [1 + g, 1 + 2 * g, 1 + 4 * g, 1 + 4 * g + round(2.0 / PROBE_BUDGET)]
+
+    cold = planner_with(flat(), {"x": 0.0})  # never worth asking: even its first probe waits for the prompt's price
+    cold.observe_mirroring("x", 1.0)
+    first = next(step for step in range(1, 10**4) if cold.drafting_caps(["x"], 1)["x"] == 1)
+    assert abs(first - (1 + 1.0 / PROBE_BUDGET)) <= 1
 
 
 def test_a_dropped_drafter_comes_back_only_through_a_probe():
@@ -343,7 +350,8 @@ def test_a_dropped_drafter_comes_back_only_through_a_probe():
     evidence (the verify cost's online refinement) would ask an idle draft model, whose cache restart from a window
     is a price that estimate does not see."""
     planner = planner_with(steep(), {"x": 0.9})  # sequential verify: speculation cannot pay
-    assert planner.drafting_caps(["x"], 1) == {"x": 1}  # the first probe is due at once
+    first = next(step for step in range(1, 10**4) if planner.drafting_caps(["x"], 1) == {"x": 1})
+    assert first > 1  # a model drafter's first probe waits its priced gap
     assert planner.drafting_caps(["x"], 1) == {"x": 0}
     planner.costs = flat()  # the cost estimate drifts: now every draft length would pay ...
     gap = planner.next_probe["x"] - planner.step - 1
