@@ -9,8 +9,8 @@ graph inputs, so a graph serves every model of the same shapes (a target and a s
   padding rows or keys would change torch's matmul and SDPA sums on the float path.
   - Quantized weights (the default): each block is already one C++ call (kernels.cpp `sc_block`), registered as
     the torch custom op `spec_cli::block` (fake implementation; it writes the caches in place) so the loop compiles
-    without graph breaks. The graph is those calls: nothing is left to fuse, and the dispatcher costs more per
-    call than ctypes, so it measured slower (README, "Compiled decode") and `auto` leaves it eager.
+    without graph breaks. The graph is those calls: nothing is left to fuse, so it ties eager at best (0.98-0.99x
+    measured, docs/performance.md "Compiled decode") and `auto` leaves it eager.
   - Float weights (`--dtype f32`): inductor fuses the torch ops of `Block.forward_torch` around torch's matmuls and
     SDPA; RMS norm (the kernels' own, as on the eager path) and GELU-tanh are custom ops, the eager bits.
 - CUDA: mode "reduce-overhead" (CUDA graphs), shapes padded to the ROW_BUCKETS (groups and rows) and the key range
@@ -77,6 +77,7 @@ def wanted(mode: str, model) -> bool:
 # --- the C++ block as a torch custom op --------------------------------------------------------------------------
 
 _registered = False
+_LIB = torch.library.Library("spec_cli", "FRAGMENT")  # kept for the process: dropping it unregisters the ops
 
 
 def register_ops() -> None:
@@ -85,15 +86,19 @@ def register_ops() -> None:
     if _registered:
         return
 
-    @torch.library.custom_op("spec_cli::block", mutates_args=("k_cache", "v_cache"), device_types="cpu")
-    def block_op(desc: torch.Tensor, window: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 row_seq: torch.Tensor, row_pos: torch.Tensor, row_write: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor) -> torch.Tensor:
+    # the block through the plain Library API, not torch.library.custom_op: custom_op's Python wrappers cost
+    # ~55 us per call on the CPU (smollm2-135m: 30 calls per token, compiled 0.71x of eager with them)
+    _LIB.define("block(Tensor desc, int window, Tensor x, Tensor cos, Tensor sin, Tensor row_seq, Tensor row_pos, "
+                "Tensor row_write, Tensor(a!) k_cache, Tensor(b!) v_cache) -> Tensor")
+
+    def block_op(desc, window, x, cos, sin, row_seq, row_pos, row_write, k_cache, v_cache):
         addr = int(desc)
         kernels.BlockDesc.from_address(addr).window = window
         return kernels.block_at(addr, x, (cos, sin), row_seq, row_pos, row_write, k_cache, v_cache)
 
-    @block_op.register_fake
+    _LIB.impl("block", block_op, "CPU")
+
+    @torch.library.register_fake("spec_cli::block")
     def _(desc, window, x, cos, sin, row_seq, row_pos, row_write, k_cache, v_cache):
         return torch.empty_like(x)
 
