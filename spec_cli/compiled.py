@@ -8,7 +8,7 @@ graph inputs, so a graph serves every model of the same shapes (a target and a s
 - CPU: symbolic shapes (rows, sequences and the attended key range), nothing padded, so the logits are eager's bits:
   padding rows or keys would change torch's matmul and SDPA sums on the float path.
   - Quantized weights (the default): each block is already one C++ call (kernels.cpp `sc_block`), registered as
-    the torch custom op `spec_cli::block` (fake implementation; it writes the caches in place) so the loop compiles
+    the torch op `spec_cli::block` (fake implementation; it writes the caches in place) so the loop compiles
     without graph breaks. The graph is those calls: nothing is left to fuse, so it ties eager at best (0.98-0.99x
     measured, docs/performance.md "Compiled decode") and `auto` leaves it eager.
   - Float weights (`--dtype f32`): inductor fuses the torch ops of `Block.forward_torch` around torch's matmuls and
@@ -65,7 +65,7 @@ def kv_bucket(n_kv: int, n_ctx_seq: int) -> int:
 
 def wanted(mode: str, model) -> bool:
     """Whether a context compiles its model's step: `on` always (where the model is a plain Transformer); `auto`
-    where it measurably wins and compiles in reasonable time: nowhere so far (README, "Compiled decode": slower on
+    where it measurably wins and compiles in reasonable time: nowhere so far (README, "Compiled decode": a tie at best on
     the quantized CPU path, 1.1x on f32 for minutes of compiling; on CUDA 6-9x for plain decode, but 30-50 s per
     compile and not bit-identical to eager there: docs/cuda.md)."""
     check_mode(mode)
