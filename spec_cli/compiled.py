@@ -65,9 +65,9 @@ def kv_bucket(n_kv: int, n_ctx_seq: int) -> int:
 
 def wanted(mode: str, model) -> bool:
     """Whether a context compiles its model's step: `on` always (where the model is a plain Transformer); `auto`
-    where it measurably wins and compiles in reasonable time: nowhere so far (README, "Compiled decode": a tie at best on
-    the quantized CPU path, 1.1x on f32 for minutes of compiling; on CUDA 6-9x for plain decode, but 30-50 s per
-    compile and not bit-identical to eager there: docs/cuda.md)."""
+    where it measurably wins and compiles in reasonable time: nowhere so far (README, "Compiled decode": a tie at
+    best on the quantized CPU path, 1.1x on f32 for minutes of compiling; on CUDA 6-9x for plain decode, but 30-50 s
+    per compile and not bit-identical to eager there: docs/cuda.md)."""
     check_mode(mode)
     if mode == "off" or not isinstance(model, Transformer):
         return False
