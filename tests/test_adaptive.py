@@ -251,10 +251,11 @@ def test_a_useless_drafter_is_probed_with_growing_gaps_and_recovers():
     assert planner.probe_gap["x"] == 2 * PROBE_GAP_MIN  # start over at the shortest gap
 
 
-def test_a_free_drafter_is_always_asked_and_spends_a_probe_only_on_a_draft():
-    """An n-gram drafter planned at 0 is still asked (it costs nothing), and its probe waits for a step where it
-    has a draft: a probe that finds nothing teaches nothing, so it must not push the next one a doubled gap away
-    (a copied block starting just after it would then be decoded plainly)."""
+def test_a_free_drafters_probe_stays_due_until_it_has_a_draft():
+    """An n-gram drafter planned at 0 is asked step after step once its probe is due (asking costs nothing), and
+    the probe is spent on the first step where it has a draft: a probe that finds nothing teaches nothing, so it
+    must not push the next one a doubled gap away (a copied block starting just after it would be decoded
+    plainly). Between probes it is not asked: in a chain its draft would take the step from the next drafter."""
     planner = planner_with(flat(), {"x": 0.0, "y": 0.0})
     free = frozenset({"x"})
     assert planner.drafting_caps(["x"], 1, free) == {"x": 1}  # step 1: the probe is due ...
@@ -265,9 +266,9 @@ def test_a_free_drafter_is_always_asked_and_spends_a_probe_only_on_a_draft():
     planner.drafting_caps(["x"], 1, free)
     assert planner.plan([("x", 3)], 0.0) == [1]  # the probe: one token of the first draft
     probe_step = planner.step
-    for _ in range(PROBE_GAP_MIN - 1):  # then asked (free) but not verified until the next probe is due
-        assert planner.drafting_caps(["x"], 1, free) == {"x": 1} and "x" not in planner.probing
-        assert planner.plan([("x", 3)], 0.0) == [0]
+    for _ in range(PROBE_GAP_MIN - 1):  # then not asked until the next probe is due
+        assert planner.drafting_caps(["x"], 1, free) == {"x": 0} and "x" not in planner.probing
+        assert planner.plan([(None, 0)], 0.0) == [0]
     planner.drafting_caps(["x"], 1, free)
     assert planner.step == probe_step + PROBE_GAP_MIN and planner.plan([("x", 3)], 0.0) == [1]
     # a model drafter (not free) is not asked between probes, the first one included, and an empty probe is spent

@@ -41,7 +41,7 @@ PRIOR_WEIGHT = 0.5  # the prior counts as half an observation, forgotten like th
 # (the catch-up of an idle draft cache, its token, the extra verify row) is held to PROBE_BUDGET of the time of the
 # steps between probes. So a useless n-gram drafter costs one 2-row verify per 256 steps in the long run, a useless
 # draft model a few percent at most, and one that starts to fit the text (a copied block begins) is found again.
-# An n-gram drafter (free to ask) is asked every step and spends its probe on the first step it has a draft.
+# An n-gram drafter (free to ask) keeps a due probe until the first step it has a draft.
 PROBE_GAP_MIN = 16
 PROBE_GAP_MAX = 256
 PROBE_BUDGET = 0.01
@@ -165,10 +165,11 @@ class Planner:
     def drafting_caps(self, names: list[str], n_seq: int, free: frozenset[str] = frozenset()) -> dict[str, int]:
         """Per drafter, the most tokens worth drafting this step: the best length if all n_seq sequences drafted
         with it (an upper estimate of what `plan` will keep), or 1 when its probe is due; 0 = do not ask it.
-        A `free` drafter (an n-gram lookup: asking costs nothing) planned at 0 is still asked for 1 token, and its
-        probe is spent only on a step where it has a draft (`plan`): a probe that finds nothing teaches nothing,
-        and waiting a doubled gap after it missed the start of copied blocks (on a machine where a 2-row verify
-        costs 1.5 decodes, ngram-mod decoded a third of a code edit plainly)."""
+        A `free` drafter's (an n-gram lookup: asking costs nothing) due probe is asked for step after step and
+        spent only on a step where it has a draft (`plan`): a probe that finds nothing teaches nothing, and waiting
+        a doubled gap after it missed the start of copied blocks (on a machine where a 2-row verify costs 1.5
+        decodes, ngram-mod decoded a third of a code edit plainly). Between probes it is not asked: in a chain its
+        draft would take the step from the drafters after it."""
         self.step += 1
         self.free = free
         probed = self.probes_granted
@@ -192,7 +193,7 @@ class Planner:
                     self.probing.add(name)
                     if name not in free:  # a model drafter's probe is paid for by the asking
                         self._spend_probe(name)
-                k = 1 if name in self.probing or name in free else 0
+                k = 1 if name in self.probing else 0
             caps[name] = k
         self.probes_granted = set(self.probing)
         return caps
