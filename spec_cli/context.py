@@ -19,6 +19,12 @@ from spec_cli.model import ForwardPlan
 from spec_cli.options import default
 
 
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The ubatches' rows in one tensor; one ubatch (every decode/verify step) as it is, not a copy (600 KB of
+    logits per row on a 151936-token vocabulary)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 @dataclass
 class DecodeOutput:
     logits: torch.Tensor  # [n_rows_with_logits_flag, n_vocab] float32, in batch order
@@ -121,11 +127,11 @@ class Context:
             if hidden:
                 hiddens.append(h)
         self.n_decode += 1
-        if logits:  # one ubatch (every decode/verify step): its tensor as it is, not a copy of 600 KB per row
-            out_logits = logits[0] if len(logits) == 1 else torch.cat(logits)
+        if logits:
+            out_logits = _joined(logits)
         else:
             out_logits = torch.empty(0, self.config.n_vocab, device=self.device)
-        out = DecodeOutput(out_logits, (hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)) if hidden else None)
+        out = DecodeOutput(out_logits, _joined(hiddens) if hidden else None)
         if self.capture_hidden:
             self.last_hidden = out.hidden
         return out
