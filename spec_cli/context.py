@@ -8,6 +8,7 @@ evenly across sequences like llama-server's slots.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -108,9 +109,12 @@ class Context:
 
     # --- decode ------------------------------------------------------------------------------------------
 
-    def decode(self, batch: Batch, hidden: bool = False) -> DecodeOutput:
+    def decode(self, batch: Batch, hidden: bool = False,
+               head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> DecodeOutput:
         """One forward over the batch (split into ubatches of n_ubatch rows). Hidden states of every row come
-        back when `hidden` is set, and are kept in `last_hidden` when `capture_hidden` is set."""
+        back when `hidden` is set, and are kept in `last_hidden` when `capture_hidden` is set. `head` maps the
+        flagged rows' pre-norm hidden states [n, D] to their logits instead of the model's output layer (a draft
+        vocabulary's rows)."""
         hidden = hidden or self.capture_hidden
         if len(batch) == 0:
             raise SpecCliError("decode of an empty batch")
@@ -123,7 +127,7 @@ class Context:
             h = self._decode_ubatch(batch, rows)  # [len(rows), D]
             flags = [i - start for i in rows if batch.logits[i]]
             if flags:
-                logits.append(self.model.logits(h[flags]))
+                logits.append((head or self.model.logits)(h[flags]))
             if hidden:
                 hiddens.append(h)
         self.n_decode += 1

@@ -330,5 +330,8 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., D] (pre-norm) -> logits [..., V] in float32."""
-        h = hidden.to(self.output_device)
-        return self.output(self.norm(h)).float()
+        return self.output(self.normed(hidden)).float()
+
+    def normed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., D] (pre-norm) -> final-normed [..., D] on the output's device (what the output matrix reads)."""
+        return self.norm(hidden.to(self.output_device))

@@ -36,6 +36,7 @@ from spec_cli.mtp_data import (
     Progress, ProgressFn, generation_prompts, greedy_continuations, is_held_out, stdlib_documents, token_windows,
 )
 from spec_cli.mtp_features import Features, head_forward, shifted, target_features
+from spec_cli.options import DRAFT_VOCAB
 from spec_cli.tokenizer import Tokenizer
 
 
@@ -51,7 +52,7 @@ class TrainConfig:
     cos_weight: float = 1.0
     ridge: float = 1e-2  # relative L2 regularisation of the eh_proj least-squares init
     checkpoint_every: int = 50
-    draft_vocab: int = 32768  # tokens the head drafts among (most frequent in the training data); 0 = all
+    draft_vocab: int = DRAFT_VOCAB  # tokens the head drafts among (most frequent in the training data); 0 = all
     seed: int = 0
 
 

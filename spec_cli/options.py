@@ -75,6 +75,7 @@ def parse_gpu_layers(value: str, flag: str) -> int:
 DEFAULT_GPU_LAYERS = parse_gpu_layers(GPU_LAYERS_ALL, "-ngl")  # the -ngl / -ngld default as the loader takes it
 RANDOM_SEED = -1  # llama.cpp LLAMA_DEFAULT_SEED (what `-s -1` parses to): pick a fresh seed per sampler
 DRAFT_MAX = 16  # llama.cpp's --draft-max: the draft length where no flag asks for one (SpecParams, bench)
+DRAFT_VOCAB = 32768  # tokens a draft model / trained MTP head drafts among (--draft-vocab, mtp-train --draft-vocab)
 
 MODEL = ("Model and context", [
     Opt("model", Optional[str], None, ("-m", "--model"), "GGUF file or models.toml name (default: the default model)"),
@@ -147,6 +148,9 @@ SPEC = ("Speculative decoding", [
         "min draft tokens (else no draft)", ge=0),
     Opt("draft_p_min", float, 0.75, ("--draft-p-min", "--spec-draft-p-min"),
         "stop drafting below this probability", ge=0.0, le=1.0),
+    Opt("draft_vocab", int, DRAFT_VOCAB, ("--draft-vocab", "--spec-draft-vocab"),
+        "draft-simple drafts among the N tokens its vocabulary ranks most common plus every token of the requests "
+        "(a small draft model's output matrix is much of its step); 0 = the whole vocabulary", ge=0),
     Opt("spec_verify", str, "auto", ("--spec-verify",), "auto | match | rejection"),
     Opt("spec_select", str, "priority", ("--spec-select",),
         "which draft a step verifies: priority = llama.cpp's fixed order, first non-empty draft wins; gain = every "
@@ -229,6 +233,7 @@ BENCH = [
             sweep=True),
         _swept("draft_min", flags=("--draft-min",), help="min draft tokens"),
         _swept("draft_p_min", flags=("--draft-p-min",), help="draft-model p-min"),
+        _swept("draft_vocab", flags=("--draft-vocab",), help="draft-simple's draft vocabulary (0 = all)"),
         _swept("spec_verify"),
         _swept("spec_select", help="priority | gain: how a chain picks the draft to verify"),
         _swept("spec_mtp_rollback", help="partial | reeval: draft-mtp's head KV after a verify"),

@@ -388,3 +388,17 @@ def merge_pairs(syms: list[str], priority) -> list[str]:
         add_pair(prv[left], left)
         add_pair(left, nxt[left])
     return syms
+
+
+def common_tokens(meta: Mapping, n: int) -> list[int]:
+    """The n ordinary tokens a GGUF vocabulary ranks most common, plus its control, user-defined and byte tokens (end
+    of turn, template markers, byte fallbacks), ascending: a draft vocabulary's fixed part. BPE ids are in merge
+    order (an earlier merge joined a more frequent pair); SentencePiece scores are log-frequencies."""
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(meta.get("tokenizer.ggml.tokens") or ())
+    attrs = [_ATTR_OF_TYPE.get(t, 0) for t in types]
+    ordinary = [i for i, a in enumerate(attrs) if a == NORMAL]
+    if meta.get("tokenizer.ggml.model") == "llama":
+        scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(attrs)
+        ordinary.sort(key=lambda i: -scores[i])
+    special = [i for i, a in enumerate(attrs) if a & (CONTROL | USER_DEFINED | BYTE | UNKNOWN)]
+    return sorted(set(ordinary[:n]) | set(special))

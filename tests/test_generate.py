@@ -120,6 +120,36 @@ def test_self_draft_accepts_everything(tiny_model_path, plain_outputs, defer_max
     assert session.chain.stats["draft-simple"].acc_rate_per_pos[0] == 1.0
 
 
+def test_a_small_draft_vocabulary_keeps_greedy_output_and_drafts_every_token_it_was_shown(tiny_model_path,
+                                                                                            plain_outputs):
+    """The target as its own draft model, drafting among 4 common tokens plus those it was shown: the output is plain
+    greedy's, and each draft follows the target's tokens up to the first one the draft vocabulary did not hold, so
+    columns map to the right ids and a token shown to the draft model is draftable from then on."""
+    session = make_session(tiny_model_path, "draft-simple", draft=tiny_model_path, draft_vocab=4)
+    drafter = session.chain.drafters[0]
+    drafts: list[tuple[int, list[int], set[int]]] = []
+    draft = drafter.draft
+
+    def recorded(params):
+        draft(params)
+        drafts.extend((p.pos0, list(p.result), set(drafter.vocab.known)) for p in params)
+
+    drafter.draft = recorded
+    cut = 0
+    for prompt, expected in zip(PROMPTS, plain_outputs):
+        drafts.clear()
+        out, seq = run(session, prompt)
+        assert out == expected and seq.n_accepted > 0
+        tokens = prompt + out
+        for pos0, result, known in drafts:
+            target = tokens[pos0 + 1: pos0 + 1 + len(result)]
+            n = next((i for i, (a, b) in enumerate(zip(result, target)) if a != b), len(target))
+            if n < len(target):
+                assert target[n] not in known
+                cut += 1
+    assert cut > 0, "no draft met an unknown token: the vocabulary was not restricted"
+
+
 def test_a_short_lag_is_decoded_with_the_seed_row_and_a_long_one_caught_up_apart(tiny_model_path):
     """The rows every step adds (accepted tokens) go into draft()'s seed batch, priced as drafting; only a cache
     more than CATCH_UP_MIN rows behind is caught up apart (catch_up, unpriced)."""

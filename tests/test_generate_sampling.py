@@ -51,10 +51,13 @@ def exact_two_token_distribution(session, prompt, sampling) -> dict[tuple[int, i
     return joint
 
 
-def test_rejection_mode_keeps_the_target_distribution(tiny_model_path, tiny_close_draft_path):
-    # flat sampler (high temperature, top-k 3) so several (t1, t2) pairs are likely and the draft is often rejected
+@pytest.mark.parametrize("draft_vocab", [0, 4], ids=["whole-vocab", "draft-vocab-4"])
+def test_rejection_mode_keeps_the_target_distribution(tiny_model_path, tiny_close_draft_path, draft_vocab):
+    # flat sampler (high temperature, top-k 3) so several (t1, t2) pairs are likely and the draft is often rejected;
+    # a draft vocabulary of 4 common tokens plus the prompt's leaves some of the target's tokens undraftable (q = 0)
     params = dict(temp=1.5, top_k=3, top_p=1.0, min_p=0.0)
-    session = make_session(tiny_model_path, "draft-simple", draft=tiny_close_draft_path, verify="rejection", draft_max=3)
+    session = make_session(tiny_model_path, "draft-simple", draft=tiny_close_draft_path, verify="rejection", draft_max=3,
+                           draft_vocab=draft_vocab)
     prompt = PROMPTS[1]
     exact = exact_two_token_distribution(session, prompt, SamplingParams(**params))
     n = 600

@@ -26,7 +26,7 @@ SHAPE_FIELDS = ("test", "n_prompt", "n_gen", "n_depth")
 NGRAM_FIELDS = tuple(f for f in SpecParams.__dataclass_fields__ if f.startswith("ngram_"))
 # a speculative test's parameters that bench sweeps for each prompt set and temperature (params.py), outermost first;
 # the draft model's are read by draft-simple only
-DRAFT_MODEL_FIELDS = ("model_draft", "n_gpu_layers_draft", "devices_draft")
+DRAFT_MODEL_FIELDS = ("model_draft", "n_gpu_layers_draft", "devices_draft", "draft_vocab")
 SWEPT_CASE_FIELDS = ("spec_type",) + DRAFT_MODEL_FIELDS + ("draft_max", "draft_min", "draft_p_min", "spec_verify",
                                                            "spec_select", "spec_mtp_rollback")
 CASE_FIELDS = ("temp",) + SWEPT_CASE_FIELDS + NGRAM_FIELDS + ("warm",)
@@ -41,8 +41,8 @@ KEY_FIELDS = (("model_filename", "backends", "dtype") + PARAM_FIELDS[:-1] + SHAP
               + ("verify_k",))
 
 INT_FIELDS = {"model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads", "n_gpu_layers", "flash_attn",
-              "n_prompt", "n_gen", "n_depth", "n_prompts", "n_gpu_layers_draft", "draft_max", "draft_min", "n_drafted",
-              "n_accepted", "n_steps", "prompt_ns", "verify_k", "avg_ns", "stddev_ns", *NGRAM_FIELDS}
+              "n_prompt", "n_gen", "n_depth", "n_prompts", "n_gpu_layers_draft", "draft_vocab", "draft_max", "draft_min",
+              "n_drafted", "n_accepted", "n_steps", "prompt_ns", "verify_k", "avg_ns", "stddev_ns", *NGRAM_FIELDS}
 FLOAT_FIELDS = {"temp", "draft_p_min", "acceptance", "mean_acc_len", "tokens_per_step", "draft_ms", "verify_ms",
                 "speedup", "cost_ratio", "break_even_len", "break_even_acc", "avg_ts", "stddev_ts", "compile_s"}
 BOOL_FIELDS = {"warm"}

@@ -174,6 +174,7 @@ class BenchParams:
     model_draft: list[str] = field(default_factory=list)
     n_gpu_layers_draft: list[int] = field(default_factory=lambda: [DEFAULT_GPU_LAYERS])
     devices_draft: list[str] = field(default_factory=lambda: [""])  # "" = the target's device
+    draft_vocab: list[int] = _default("draft_vocab")
     draft_max: list[int | str] = _default("draft_max")  # ints and/or "auto"
     draft_min: list[int] = _default("draft_min")
     draft_p_min: list[float] = _default("draft_p_min")
@@ -198,7 +199,7 @@ class BenchParams:
         return bool(self.spec_type or self.prompt_sets)
 
     def validate(self) -> None:
-        for name in ("n_prompt", "n_gen", "n_depth", "draft_min", "n_batch", "n_ubatch"):
+        for name in ("n_prompt", "n_gen", "n_depth", "draft_min", "draft_vocab", "n_batch", "n_ubatch"):
             if not all(BENCH_OPTIONS[name].within(v) for v in getattr(self, name)):
                 raise UsageError(f"{name} values must be {BENCH_OPTIONS[name].bounds_text()}")
         if not BENCH_OPTIONS["tensor_parallel"].within(self.tensor_parallel):
@@ -241,6 +242,7 @@ class Test:
     model_draft: str = ""
     n_gpu_layers_draft: int = DEFAULT_GPU_LAYERS
     devices_draft: str = ""
+    draft_vocab: int = BENCH_OPTIONS["draft_vocab"].default
     draft_max: int | str = 0  # or "auto"
     draft_min: int = 0
     draft_p_min: float = 0.0
@@ -366,6 +368,7 @@ def from_flags(flags: dict) -> BenchParams:
         model_draft=model_draft,
         n_gpu_layers_draft=parse_gpu_layers_list(flags.get("n_gpu_layers_draft"), d.n_gpu_layers_draft, "-ngld"),
         devices_draft=parse_str_list(flags.get("device_draft"), d.devices_draft),
+        draft_vocab=parse_int_list(flags.get("draft_vocab"), d.draft_vocab, "--draft-vocab"),
         draft_max=parse_draft_max_list(flags.get("draft_max"), d.draft_max),
         draft_min=parse_int_list(flags.get("draft_min"), d.draft_min, "--draft-min"),
         draft_p_min=parse_float_list(flags.get("draft_p_min"), d.draft_p_min, "--draft-p-min"),

@@ -22,6 +22,7 @@ SQL_TABLE = "llama_bench"  # llama-bench's, so that queries written for its tabl
 _MD_PARAMS = {"n_gpu_layers": ("ngl", 3), "n_threads": ("threads", 7), "n_batch": ("n_batch", 7),
               "n_ubatch": ("n_ubatch", 8), "flash_attn": ("fa", 3), "devices": ("devices", -8),
               "model_draft": ("model_draft", -12), "n_gpu_layers_draft": ("ngld", 4), "devices_draft": ("devd", -6),
+              "draft_vocab": ("draft_vocab", 11),
               "spec_verify": ("spec_verify", -12), "spec_select": ("spec_select", -12),
               "spec_mtp_rollback": ("mtp_rollback", -12), "compile": ("compile", -7),
               "compile_s": ("compile s", 9)}

@@ -381,8 +381,8 @@ def run_spec(model: BenchModel, draft: BenchModel | None, inst: Instance, head: 
     prompts = [render_tokens(p, model.tokenizer) for p in prompt_set.prompts]
     draft_max, adaptive = draft_bound(t.draft_max)
     spec = SpecParams(types=types, draft_max=draft_max, adaptive=adaptive, draft_min=t.draft_min,
-                      draft_p_min=t.draft_p_min, verify=t.spec_verify, select=t.spec_select,
-                      mtp_rollback=t.spec_mtp_rollback, **dict(t.ngram))
+                      draft_p_min=t.draft_p_min, draft_vocab=t.draft_vocab, verify=t.spec_verify,
+                      select=t.spec_select, mtp_rollback=t.spec_mtp_rollback, **dict(t.ngram))
     opts = EngineOptions(n_ctx=max(len(p) for p in prompts) + t.n_gen + draft_max + 2, n_batch=inst.n_batch,
                          n_ubatch=inst.n_ubatch, compile=inst.compile, spec=spec)
     session = Session(assemble_engine(opts, model.loaded, model.tokenizer, draft.loaded if draft else None), spec)

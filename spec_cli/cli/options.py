@@ -64,7 +64,7 @@ def _parameter(panel: str, o: Opt) -> inspect.Parameter:
 
 def spec_params(opts: dict) -> SpecParams:
     draft_max, adaptive = draft_bound(parse_draft_max(opts["draft_max"]))
-    for o in (OPTIONS["draft_min"], OPTIONS["draft_p_min"]):
+    for o in (OPTIONS["draft_min"], OPTIONS["draft_p_min"], OPTIONS["draft_vocab"]):
         if not o.within(opts[o.name]):
             raise UsageError(f"{o.flags[0]} must be {o.bounds_text()}")
     if opts["spec_verify"] not in VERIFY_MODES:

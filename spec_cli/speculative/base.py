@@ -36,6 +36,7 @@ class SpecParams:
     adaptive: bool = False  # --draft-max auto: each step's draft length is planned (speculative/adaptive.py)
     draft_min: int = default("draft_min")
     draft_p_min: float = default("draft_p_min")
+    draft_vocab: int = default("draft_vocab")  # draft-simple's output rows (speculative/draft_vocab.py); 0 = all
     verify: str = default("spec_verify")  # auto | match | rejection
     select: str = default("spec_select")  # priority | gain: how the chain picks a sequence's draft (chain.SELECT_MODES)
     mtp_rollback: str = default("spec_mtp_rollback")  # partial | reeval (speculative/mtp.py ROLLBACK_MODES)

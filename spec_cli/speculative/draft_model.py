@@ -9,7 +9,9 @@ planner stopped asking (IDLE_STEPS target decodes without a draft) is not prefil
 (a probe) more than RESTART_WINDOW rows behind, its draft cache restarts from the last RESTART_WINDOW committed
 tokens at draft position 0 (`offset` maps target to draft positions; rope only sees relative positions), so an
 unused draft model costs a window per probe instead of a prefill of every token.
-Then one batch per draft position, taking the top-1 of a top-k 10 softmax and stopping below p_min.
+Then one batch per draft position, taking the top-1 of a top-k 10 softmax and stopping below p_min. Logits cover
+the draft vocabulary only (`--draft-vocab`, speculative/draft_vocab.py): the common tokens and every token the draft
+cache was given.
 When verification is by rejection (`DraftParams.sampling` set), the draft instead samples each token from its own
 distribution under the target's sampler settings and returns those distributions (q) for exact rejection sampling.
 """
@@ -23,6 +25,8 @@ from spec_cli.context import Context
 from spec_cli.errors import SpecCliError
 from spec_cli.sampling import draw, filter_and_softmax
 from spec_cli.speculative.base import DraftParams, Drafter, SpecParams, TargetCache
+from spec_cli.speculative.draft_vocab import DraftVocab
+from spec_cli.tokenizer import common_tokens
 
 DRAFT_TOP_K = 10  # llama.cpp LLAMA_DRAFT_TOP_K
 VOCAB_MAX_SIZE_DIFFERENCE = 128  # llama.cpp SPEC_VOCAB_MAX_SIZE_DIFFERENCE
@@ -78,6 +82,9 @@ class DraftModelDrafter(Drafter):
         self.offset = [0] * n_seq  # target position of draft position 0 (> 0 after a restart from a window)
         self.idle = [0] * n_seq  # target decodes since the sequence last asked for a draft
         self.rng: list[torch.Generator | None] = [None] * n_seq  # per request, for sampled drafts
+        self.vocab: DraftVocab | None = None  # None: logits over the whole vocabulary
+        if params.draft_vocab and DraftVocab.supported(ctx.model):
+            self.vocab = DraftVocab(ctx.model, common_tokens(ctx.loaded.gguf.metadata, params.draft_vocab))
 
     def begin(self, seq: int, prompt: list[int]) -> None:
         self.rng[seq] = None  # the prompt itself arrived through process()
@@ -133,7 +140,8 @@ class DraftModelDrafter(Drafter):
         while active and logits is not None:
             top = torch.topk(logits, min(DRAFT_TOP_K, logits.shape[-1]), dim=-1)
             p_top = torch.softmax(top.values, dim=-1)[:, 0].tolist()  # top-1 probability under the top-k softmax
-            ids = top.indices[:, 0].tolist()
+            best = top.indices[:, 0]
+            ids = (best if self.vocab is None else self.vocab.ids[best]).tolist()
             step = Batch()
             for seq, p in list(active.items()):
                 row = rows[seq]
@@ -165,6 +173,9 @@ class DraftModelDrafter(Drafter):
         if self.rng[seq] is None:
             seed = sampling.seed + 1 if sampling.seed >= 0 else int(torch.randint(0, 2**62, ()))
             self.rng[seq] = torch.Generator(device=logits.device).manual_seed(seed)
+        if self.vocab is not None:  # the draft vocabulary's logits in place, -inf elsewhere: q is 0 outside it
+            logits = torch.full((self.ctx.config.n_vocab,), float("-inf"), device=logits.device).index_copy_(
+                0, self.vocab.ids, logits.float())
         probs, ids = filter_and_softmax(logits.float(), sampling)
         q = torch.zeros_like(logits, dtype=torch.float32)
         if ids is None:
@@ -208,7 +219,11 @@ class DraftModelDrafter(Drafter):
 
     def _decode(self, batch: Batch) -> torch.Tensor:
         """Decode in n_batch slices (a catch-up may exceed it) -> logits of the flagged rows, batch order."""
-        logits = [self.ctx.decode(part).logits for part in batch.split(self.ctx.n_batch)]
+        head = None
+        if self.vocab is not None:
+            self.vocab.see(batch.tokens)
+            head = self.vocab.logits
+        logits = [self.ctx.decode(part, head=head).logits for part in batch.split(self.ctx.n_batch)]
         for tok, seq in zip(batch.tokens, batch.seq_ids):
             self.cached[seq].append(tok)
         return torch.cat(logits)
