@@ -21,6 +21,10 @@ from spec_cli.context import Context
 
 CALIBRATION_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # sparse: interpolation fills the gaps
 MULTI_SEQ_ROWS = (24, 32)  # several sequences pad the verify batch to G * (1 + longest draft)
+# Timed forwards per row count, the fastest kept: a calibration is cached and used by every later command, and the
+# online refinement never corrects the 1-row cost while every step drafts; with 2, a 1.5b 1-row forward disturbed
+# twice read 36.5 ms instead of 28-29, so one-token drafts at 45 % acceptance looked worth it (0.82x of plain).
+CALIBRATION_REPS = 3
 COST_EMA = 0.1  # weight of one step's timing in the online cost estimate (steps are noisy on a shared CPU)
 
 
@@ -80,9 +84,9 @@ class CostModel:
         sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
         rng = random.Random(0)
         # One 1-row warmup is enough: the prompt was just prefilled, and on the CPU no row count's first forward is
-        # slower than its second there (qwen2.5-coder-0.5b, 1 thread); the minimum of two drops a disturbed sample.
+        # slower than its second there (qwen2.5-coder-0.5b, 1 thread); the minimum drops disturbed samples.
         time_forwards(ctx, seq, ks[:1], 1, rng, sync)
-        samples = time_forwards(ctx, seq, ks, 2, rng, sync)
+        samples = time_forwards(ctx, seq, ks, CALIBRATION_REPS, rng, sync)
         self.set_points({k: min(ns) / 1e9 for k, ns in samples.items()})
         full = len(ks) == len(CALIBRATION_ROWS) + (len(MULTI_SEQ_ROWS) if ctx.n_seq > 1 else 0)
         if self.cache and key and full:  # a curve cut short by a small context is not kept
