@@ -118,6 +118,7 @@ def test_unknown_model_name(capsys, monkeypatch):
     (["--top-p", "1.5"], "top_p"),
     (["--spec-type", "ngram-bogus"], "unknown --spec-type"),
     (["--draft-p-min", "2"], "--draft-p-min"),
+    (["--draft-vocab", "-1"], "--draft-vocab"),
     (["--spec-verify", "maybe"], "--spec-verify"),
     (["-c", "-5"], "-c"),
     (["--dtype", "int3"], "--dtype"),

@@ -5,7 +5,7 @@ Why: a small draft model's output matrix is a large share of its step. qwen2.5-c
 token, 145 of them the 151,936 x 896 Q8_0 output; 32,768 rows of it are 31 MB, so a drafted token costs ~0.3 of a
 1.5b forward instead of 0.43. The tokens a request copies from its prompt (identifiers, names) are often rare ones,
 hence the seen tokens: on the reference continuations 4.3 % of the 1.5b's tokens lie outside the 32,768 most common
-ids, 0.7 % outside them and the prompt and history (FR-Spec, arXiv 2502.14856, drafts among frequent tokens only).
+ids, 0.7 % outside them and the prompt and history (FR-Spec drafts among frequent tokens for the same reason).
 
 Exactness does not depend on the set: a token outside it is never drafted, and the target verifies every draft; a
 sampled draft's q is the distribution it was drawn from (zero outside the set), which is what rejection sampling needs.
