@@ -34,7 +34,8 @@ def test_draft_logits_are_the_full_logits_columns_of_their_ids(tiny_loaded, monk
     model = tiny_loaded.model
     hidden = torch.randn(3, tiny_loaded.config.n_embd, generator=torch.Generator().manual_seed(0))
     full = model.logits(hidden)
-    vocab = DraftVocab(model, common_tokens(tiny_loaded.gguf.metadata, 16))
+    vocab = DraftVocab(tiny_loaded, 16)
+    assert vocab.ids.tolist() == common_tokens(tiny_loaded.gguf.metadata, 16)
 
     def check() -> None:
         ids = vocab.ids.tolist()
@@ -50,3 +51,6 @@ def test_draft_logits_are_the_full_logits_columns_of_their_ids(tiny_loaded, monk
     vocab.see([250, 202])  # four seen tokens > MERGE_AT: they join the fixed rows
     check()
     assert vocab._seen is None and {200, 201, 202, 250} <= set(vocab.ids.tolist())
+    fresh = DraftVocab(tiny_loaded, 16)  # another drafter of the model: the common rows are built once, and a merge
+    assert fresh._fixed is DraftVocab(tiny_loaded, 16)._fixed  # elsewhere left them as they were
+    assert fresh.ids.tolist() == common_tokens(tiny_loaded.gguf.metadata, 16)

@@ -26,7 +26,6 @@ from spec_cli.errors import SpecCliError
 from spec_cli.sampling import draw, filter_and_softmax
 from spec_cli.speculative.base import DraftParams, Drafter, SpecParams, TargetCache
 from spec_cli.speculative.draft_vocab import DraftVocab
-from spec_cli.tokenizer import common_tokens
 
 DRAFT_TOP_K = 10  # llama.cpp LLAMA_DRAFT_TOP_K
 VOCAB_MAX_SIZE_DIFFERENCE = 128  # llama.cpp SPEC_VOCAB_MAX_SIZE_DIFFERENCE
@@ -84,7 +83,7 @@ class DraftModelDrafter(Drafter):
         self.rng: list[torch.Generator | None] = [None] * n_seq  # per request, for sampled drafts
         self.vocab: DraftVocab | None = None  # None: logits over the whole vocabulary
         if params.draft_vocab and DraftVocab.supported(ctx.model):
-            self.vocab = DraftVocab(ctx.model, common_tokens(ctx.loaded.gguf.metadata, params.draft_vocab))
+            self.vocab = DraftVocab(ctx.loaded, params.draft_vocab)
 
     def begin(self, seq: int, prompt: list[int]) -> None:
         self.rng[seq] = None  # the prompt itself arrived through process()
