@@ -4,11 +4,12 @@
 #                  add /.whl/ to .git/info/exclude and carry .whl)
 #                  bash scripts/cuda_check.sh llamacpp-src   (llama.cpp's source from the llama-cpp-python sdist, cut
 #                  to what llama-bench needs, into .devwork/llama.cpp; add /.devwork/ to .git/info/exclude and carry it)
-#   there:         bash scripts/cuda_check.sh bandwidth tests bench profile llamacpp
+#   there:         bash scripts/cuda_check.sh bandwidth tests bench profile host llamacpp
 # Installs the carried wheels and spec-cli (no dependencies), then the steps named: tests (the suite on CUDA;
 # real-model tests deselected: their files come from PyPI), bench (plain decode eager vs CUDA graphs and the verify
 # cost of a 1.5b-shaped F16 model: scripts/shaped_gguf.py), compile-tests (tests/test_compile.py alone, its CUDA
-# cases included), profile (scripts/cuda_profile.py on that model, CUDA graphs and eager), llamacpp (llama-bench
+# cases included), profile (scripts/cuda_profile.py on that model, CUDA graphs and eager), host (its --host: cProfile of the host's
+# side of a CUDA-graph step), llamacpp (llama-bench
 # built for CUDA, sm_90, on the same model). Logs go to $OUT (the device tool brings them back).
 WHEELS="gguf==0.19.0 fastapi==0.165.0 opentelemetry-api==1.45.2 starlette==1.10.0 pydantic==2.14.4
   pydantic_core==2.50.5 annotated-types==0.8.0 annotated-doc==0.0.7 typing-inspection==0.4.5 typing_extensions==4.16.0
@@ -65,6 +66,9 @@ EOF
     profile)
       shaped
       for mode in on off; do python3 scripts/cuda_profile.py /tmp/m/q15.gguf --compile $mode 2>&1 | tee "$OUT/profile-$mode.log"; done ;;
+    host)  # where the host's time goes in a CUDA-graph step (cProfile), and the unprofiled wall time per token
+      shaped
+      python3 scripts/cuda_profile.py /tmp/m/q15.gguf --compile on --host --tokens 48 2>&1 | tee "$OUT/host.log" ;;
     llamacpp)  # resumable: /tmp/lb survives while the machine stays warm, so a build cut by the timeout goes on
       shaped & writer=$!
       [ -f /tmp/lb/build.ninja ] || cmake -S .devwork/llama.cpp -B /tmp/lb -G Ninja -DCMAKE_BUILD_TYPE=Release \

@@ -1,15 +1,19 @@
 """Where a CUDA decode step's time goes: the torch profiler over single-token decodes, eager or under CUDA graphs.
 
-    python scripts/cuda_profile.py MODEL.gguf [--compile on|off] [--tokens 32]
+    python scripts/cuda_profile.py MODEL.gguf [--compile on|off] [--tokens 32] [--host]
 
 Decodes a short warm-up first (under CUDA graphs that records the graph for the key-range bucket the profiled
 tokens fall in), then profiles --tokens decodes at positions inside that one bucket and prints, per token: wall time,
-summed GPU kernel time, kernel launches, and the kernels that take the most GPU time. Diagnostic only (docs/cuda.md).
+summed GPU kernel time, kernel launches, and the kernels that take the most GPU time; with --host, the unprofiled
+wall time per token and where the host's Python spends it (cProfile: the functions with the most own time per
+token), for a step the GPU waits on. Diagnostic only (docs/cuda.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
@@ -34,6 +38,7 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--compile", default="on", choices=("on", "off"))
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--host", action="store_true", help="cProfile the host instead of the torch profiler")
     args = ap.parse_args()
     lm = load_model(args.model, device="cuda")
     ctx = Context(lm, n_ctx=START + args.tokens + 1, compile=args.compile)
@@ -44,6 +49,8 @@ def main() -> None:
         tok = one_token(ctx, pos, tok)
     ctx.seq_rm(0, START)
     torch.cuda.synchronize()
+    if args.host:
+        return profile_host(ctx, tok, args.tokens)
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for pos in range(START, START + args.tokens):
@@ -55,6 +62,31 @@ def main() -> None:
     print(f"--compile {args.compile}: {wall * 1e3:.2f} ms wall/token (profiled), {gpu_us / 1e3:.2f} ms GPU/token, "
           f"{len(kernels) / args.tokens:.0f} kernels/token")
     print(prof.key_averages().table(sort_by="device_time_total", row_limit=15, max_name_column_width=70))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+
+
+def profile_host(ctx: Context, tok: int, n: int) -> None:
+    """Unprofiled wall time per token over the bucket's positions, then the same decodes under cProfile."""
+    t0 = time.perf_counter()
+    for pos in range(START, START + n):
+        tok = one_token(ctx, pos, tok)
+    print(f"--compile: {(time.perf_counter() - t0) / n * 1e3:.3f} ms wall/token (unprofiled)")
+    ctx.seq_rm(0, START)
+    prof = cProfile.Profile()
+    prof.enable()
+    for pos in range(START, START + n):
+        tok = one_token(ctx, pos, tok)
+    prof.disable()
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(30)
+    # what dynamo's guard checks cost: the same decodes with them skipped (unsafe in general: not for spec-cli)
+    ctx.seq_rm(0, START)
+    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+        t0 = time.perf_counter()
+        for pos in range(START, START + n):
+            tok = one_token(ctx, pos, tok)
+    print(f"--compile, guards skipped: {(time.perf_counter() - t0) / n * 1e3:.3f} ms wall/token (unprofiled)")
 
 
 if __name__ == "__main__":

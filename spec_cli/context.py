@@ -168,15 +168,14 @@ class Context:
             from spec_cli.compiled import bucket
 
             G, T = bucket(G), bucket(T)
-        tokens = [[0] * T for _ in range(G)]
-        positions = [[0] * T for _ in range(G)]
+        tokens, positions = [0] * (G * T), [0] * (G * T)  # [G, T] flat; padded rows: token 0 at position 0
         flat_of_row = {}
         write_rows, write_seq, write_pos = [], [], []
         for g, seq in enumerate(seqs):
             for t, i in enumerate(groups[seq]):
-                tokens[g][t], positions[g][t] = batch.tokens[i], batch.pos[i]
-                flat_of_row[i] = g * T + t
-                write_rows.append(g * T + t)
+                flat = flat_of_row[i] = g * T + t
+                tokens[flat], positions[flat] = batch.tokens[i], batch.pos[i]
+                write_rows.append(flat)
                 write_seq.append(seq)
                 write_pos.append(batch.pos[i])
         for seq in seqs:
@@ -187,32 +186,34 @@ class Context:
 
             n_kv = kv_bucket(n_kv, self.n_ctx_seq)
             seqs = seqs + [seqs[0]] * (G - len(seqs))
-        plan = self._plan(seqs, positions, write_rows, write_seq, write_pos, n_kv, index=step is not None)
-        device = self.model.layer_devices[0]
-        tokens_t = torch.tensor(tokens, dtype=torch.long, device=device)
+        # every index of the step in one host-to-device copy, issued before the forward (a copy after it would
+        # wait for the GPU to finish the step before the output head could be queued)
+        contiguous = step is None and seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # compiled: no slice
+        order = [flat_of_row[i] for i in rows]
+        parts = (tokens, positions, write_rows, write_seq, write_pos, [] if contiguous else seqs, order)
+        packed = torch.tensor([v for part in parts for v in part], dtype=torch.long)
+        packed = packed.to(self.model.layer_devices[0], non_blocking=True).split([len(p) for p in parts])
+        tokens_t, pos_t, rows_t, seq_t, wpos_t, seqs_t, order_t = packed
+        kv_seqs = slice(seqs[0], seqs[0] + len(seqs)) if contiguous else seqs_t
+        plan = self._plan(pos_t.view(G, T), rows_t, seq_t, wpos_t, kv_seqs, n_kv)
         with torch.inference_mode():
             if step is not None:
-                hidden = self.model.forward_hidden(tokens_t, plan, self.kv, step=step)
+                hidden = self.model.forward_hidden(tokens_t.view(G, T), plan, self.kv, step=step)
             else:  # every model's forward_hidden, the MTP head's runner included (it is never compiled)
-                hidden = self.model.forward_hidden(tokens_t, plan, self.kv)  # [G, T, D]
-        order = torch.tensor([flat_of_row[i] for i in rows], dtype=torch.long, device=hidden.device)
-        return hidden.reshape(G * T, -1)[order]
+                hidden = self.model.forward_hidden(tokens_t.view(G, T), plan, self.kv)  # [G, T, D]
+        return hidden.reshape(G * T, -1)[order_t.to(hidden.device)]
 
-    def _plan(self, seqs, positions, write_rows, write_seq, write_pos, n_kv, index: bool = False) -> ForwardPlan:
-        device = self.model.layer_devices[0]
-        as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-        pos = as_long(positions)  # [G, T]
-        key_pos = torch.arange(n_kv, device=device)
+    def _plan(self, pos: torch.Tensor, write_rows: torch.Tensor, write_seq: torch.Tensor, write_pos: torch.Tensor,
+              kv_seqs: slice | torch.Tensor, n_kv: int) -> ForwardPlan:
+        key_pos = torch.arange(n_kv, device=pos.device)
         causal = key_pos <= pos[..., None]  # [G, T, n_kv]; cells past a sequence's length are > any of its positions
         window = self.config.sliding_window
         swa = causal & (pos[..., None] - key_pos < window) if window and any(self.config.swa_layers) else None
-        contiguous = not index and seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # index: compiled (no slice)
-        kv_seqs = slice(seqs[0], seqs[0] + len(seqs)) if contiguous else as_long(seqs)
         return ForwardPlan(
             positions=pos,
-            write_rows=as_long(write_rows),
-            write_seq=as_long(write_seq),
-            write_pos=as_long(write_pos),
+            write_rows=write_rows,
+            write_seq=write_seq,
+            write_pos=write_pos,
             kv_seqs=kv_seqs,
             n_kv=n_kv,
             mask_full=causal.unsqueeze(1),

@@ -93,28 +93,35 @@ class Linear(nn.Module):
         return sub
 
 
-_ROPE_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (dim, base, scale) -> cos, sin [n, dim / 2]
+_ROPE_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (dim, base, scale, device) -> cos, sin [n, dim / 2]
 
 
-def rope_table(dim: int, base: float, scale: float, n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [>= n_pos, dim / 2] float32 on the CPU for positions 0, 1, ...: one table per setting (angles in
-    float64), grown by powers of two, so a position's values never depend on the batch it comes in."""
-    table = _ROPE_TABLES.get((dim, base, scale))
+def rope_table(dim: int, base: float, scale: float, n_pos: int,
+               device: torch.device = torch.device("cpu")) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [>= n_pos, dim / 2] float32 on `device` for positions 0, 1, ...: one table per setting (angles in
+    float64, on the CPU), grown by powers of two, so a position's values never depend on the batch it comes in
+    nor on the device."""
+    device = torch.device(device)
+    key = (dim, base, scale, device)
+    table = _ROPE_TABLES.get(key)
     if table is None or table[0].shape[0] < n_pos:
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-        angles = (torch.arange(1 << max(n_pos - 1, 1023).bit_length(), dtype=torch.float64) / scale)[:, None] * inv_freq
-        table = _ROPE_TABLES[(dim, base, scale)] = (angles.cos().float(), angles.sin().float())
+        n = 1 << max(n_pos - 1, 1023).bit_length()
+        if device.type == "cpu":
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+            angles = (torch.arange(n, dtype=torch.float64) / scale)[:, None] * inv_freq
+            table = (angles.cos().float(), angles.sin().float())
+        else:
+            table = tuple(t.to(device) for t in rope_table(dim, base, scale, n))
+        _ROPE_TABLES[key] = table
     return table
 
 
-def rope_tables(positions: torch.Tensor, dim: int, base: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    # positions [G, T] -> cos, sin [G, 1, T, dim/2] (broadcast over heads)
-    if positions.device.type == "cpu":
-        cos, sin = rope_table(dim, base, scale, int(positions.max()) + 1)
-        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
-    angles = (positions.to(torch.float32) / scale)[..., None] * inv_freq
-    return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
+def rope_tables(positions: torch.Tensor, n_pos: int, dim: int, base: float,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [G, T] (each < n_pos) -> cos, sin [G, 1, T, dim/2] (broadcast over heads): rows of the table on
+    the positions' device (two gathers: no host sync, nothing computed per step)."""
+    cos, sin = rope_table(dim, base, scale, n_pos, positions.device)
+    return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_type: str, rope_dim: int) -> torch.Tensor:
@@ -312,21 +319,24 @@ class Transformer(nn.Module):
         if cfg.embed_scale != 1.0:
             x = x * cfg.embed_scale
         if step is not None:  # one graph for the whole loop below
-            return step(self, x, plan, self.ropes(plan.positions), kv)
+            return step(self, x, plan, self.ropes(plan.positions, plan.n_kv), kv)
         plans: dict[torch.device, tuple] = {}
         for layer, device, (k_cache, v_cache) in zip(self.layers, self.layer_devices, kv):
             if device not in plans:
                 p = plan if plan.positions.device == device else plan.to(device)
-                plans[device] = (p, self.ropes(p.positions))
+                plans[device] = (p, self.ropes(p.positions, p.n_kv))
             p, ropes = plans[device]
             x = layer(x.to(device), p, ropes[layer.swa], k_cache, v_cache)
         return x
 
-    def ropes(self, positions: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
-        """The rope tables of these positions for full-attention (False) and sliding-window (True) layers."""
+    def ropes(self, positions: torch.Tensor, n_pos: int) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+        """The rope tables of these positions (each < n_pos) for full-attention (False) and sliding-window (True)
+        layers; one pair when both use the same base."""
         cfg = self.cfg
-        return {swa: rope_tables(positions, cfg.rope_dim, base, cfg.rope_scale)
-                for swa, base in ((False, cfg.rope_base), (True, cfg.rope_base_swa))}
+        full = rope_tables(positions, n_pos, cfg.rope_dim, cfg.rope_base, cfg.rope_scale)
+        if cfg.rope_base_swa == cfg.rope_base:
+            return {False: full, True: full}
+        return {False: full, True: rope_tables(positions, n_pos, cfg.rope_dim, cfg.rope_base_swa, cfg.rope_scale)}
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., D] (pre-norm) -> logits [..., V] in float32."""

@@ -212,7 +212,7 @@ class _HeadRunner(nn.Module):
         prev = torch.zeros(G * T, cfg.n_embd, dtype=self.feed.dtype, device=self.feed.device)
         prev[plan.write_rows] = prev_rows
         base = cfg.rope_base_swa if self.head.block.swa else cfg.rope_base
-        rope = rope_tables(plan.positions, cfg.rope_dim, base, cfg.rope_scale)
+        rope = rope_tables(plan.positions, plan.n_kv, cfg.rope_dim, base, cfg.rope_scale)
         k_cache, v_cache = kv[0]
         return self.head(tokens, prev.view(G, T, -1), plan, rope, k_cache, v_cache)
 

@@ -63,7 +63,7 @@ def head_forward(head: MTPHead, tokens: torch.Tensor, prev: torch.Tensor) -> tor
     cfg, device = head.cfg, head.device
     plan = causal_plan(B, T, cfg, device)
     base = cfg.rope_base_swa if head.block.swa else cfg.rope_base
-    rope = rope_tables(plan.positions, cfg.rope_dim, base, cfg.rope_scale)
+    rope = rope_tables(plan.positions, T, cfg.rope_dim, base, cfg.rope_scale)
     k, v = scratch_kv(cfg, B, T, prev.dtype, device)  # a fresh cache each call: autograd flows through it
     return head(tokens.to(device), prev.to(device), plan, rope, k, v)
 
