@@ -229,10 +229,12 @@ def test_progress_announces_the_grid_then_counts_every_timed_run(tiny_model_path
     start, *rest = recorder.events
     # pp, tg, verify, then plain + ngram-simple over the set's 2 prompts: 3 x 2 + 2 x 2 x 2 runs
     assert start == ("start", 5, 14)
-    assert [e[1] for e in rest if e[0] == "test"] == [0, 1, 2, 3, 4]
+    # the spec tests of one target run round-robin, a repetition each: plain, ngram-simple, plain, ngram-simple
+    assert [e[1] for e in rest if e[0] == "test"] == [0, 1, 2, 3, 4, 3, 4]
     assert sum(e[1] for e in rest if e[0] == "runs") == 14
     spec_runs = [e for e in rest[rest.index(("test", 3)):] if e[0] == "runs"]
     assert spec_runs == [("runs", 1)] * 8  # one tick per prompt: a long speculative test moves the bar
+    assert [e[0] for e in rest[rest.index(("test", 3)):]] == ["test", "runs", "runs"] * 4
 
 
 # --- CLI --------------------------------------------------------------------------------------------------

@@ -13,7 +13,9 @@ What is timed, exactly:
   `prompt_ns`; the sample is the generation phase, from after the first token to the end of the last step, summed
   over the set's prompts. t/s = tokens generated in that phase / seconds. Speculation statistics (drafted,
   accepted, per position) are counted from the sequences' own counters per step, pooled over prompts and
-  repetitions (llama.cpp's definitions, speculative/stats.py).
+  repetitions (llama.cpp's definitions, speculative/stats.py). The spec tests of one target model run
+  round-robin, one repetition of each in turn (`run_bench`), so the plain row that is `speedup`'s reference and
+  the speculative rows are measured side by side, not one after the other over minutes of a drifting machine.
 
 Cold and warm: by default every speculative repetition is cold, exactly like a fresh process: `Session.renew`
 empties the KV caches and makes fresh drafters (empty n-gram pools, cleared draft context). Within a
@@ -185,7 +187,8 @@ class Models:
 # --- the main loop ------------------------------------------------------------------------------------------
 
 def run_bench(params: BenchParams, progress: Progress | None = None) -> list[Result]:
-    """Run every instance in order; returns the rows (speed-ups filled in)."""
+    """Run every instance (the spec tests of one target interleaved by repetition); returns the rows in the
+    instances' order, speed-ups filled in."""
     progress = progress or Progress()
     todo = instances(params)
     prompt_sets = {name: load_prompt_set(name) for name in params.prompt_sets}  # bad files fail before any load
@@ -194,23 +197,51 @@ def run_bench(params: BenchParams, progress: Progress | None = None) -> list[Res
     default_threads = torch.get_num_threads()
     models = Models(progress.log, params.tensor_parallel)
     rows: list[Result] = []
+    spec_runs: list[tuple[int, SpecRun]] = []  # the spec tests of the current target, run round-robin
+
+    def threads(inst: Instance) -> int:
+        torch.set_num_threads(inst.n_threads or default_threads)
+        return torch.get_num_threads()
+
+    def run_spec_group() -> None:
+        """One repetition of every spec test of the group in turn, `repetitions` times: the plain row and the
+        speculative rows it is the speedup's reference for are measured minutes apart at most, so a machine's
+        drift (tens of percent over minutes on shared hosts) lands on every row alike."""
+        for rep in range(params.repetitions):
+            for i, run in spec_runs:
+                progress.test(i, _describe(run.inst) + (f" (rep {rep + 1}/{params.repetitions})"
+                                                         if params.repetitions > 1 else ""))
+                if params.delay:
+                    time.sleep(params.delay)
+                threads(run.inst)
+                run.repetition()
+        for _, run in spec_runs:
+            rows.append(run.result())
+            progress.log(_summary(rows[-1]))
+        spec_runs.clear()
+
     try:
         for i, inst in enumerate(todo):
             t = inst.test
+            if spec_runs and (t.kind != "spec" or inst.engine_key() != spec_runs[0][1].inst.engine_key()):
+                run_spec_group()
+            n_threads = threads(inst)
+            model = models.target(inst)
+            head = _row_head(build, model, inst, n_threads)
+            if t.kind == "spec":  # set up (and warmed up) now, timed with the rest of its group
+                draft = models.draft(inst) if "draft-simple" in chain_types(t.spec_type) else None
+                spec_runs.append((i, SpecRun(model, draft, inst, head, params, prompt_sets[t.prompt_set], progress)))
+                continue
             progress.test(i, _describe(inst))
             if params.delay:
                 time.sleep(params.delay)
-            torch.set_num_threads(inst.n_threads or default_threads)
-            model = models.target(inst)
-            head = _row_head(build, model, inst, torch.get_num_threads())
             if t.kind == "verify":
                 rows += run_verify(model, inst, head, params, progress)
-            elif t.kind == "spec":
-                draft = models.draft(inst) if "draft-simple" in chain_types(t.spec_type) else None
-                rows.append(run_spec(model, draft, inst, head, params, prompt_sets[t.prompt_set], progress))
             else:
                 rows.append(run_random(model, inst, head, params, progress))
             progress.log(_summary(rows[-1]))
+        if spec_runs:
+            run_spec_group()
     finally:
         torch.set_num_threads(default_threads)
     attach_speedups(rows)
@@ -374,42 +405,56 @@ class _Tally:
     verify_ms: float = 0.0
 
 
-def run_spec(model: BenchModel, draft: BenchModel | None, inst: Instance, head: dict, params: BenchParams,
-             prompt_set: PromptSet, progress: Progress) -> Result:
-    t = inst.test
-    types = chain_types(t.spec_type)
-    prompts = [render_tokens(p, model.tokenizer) for p in prompt_set.prompts]
-    draft_max, adaptive = draft_bound(t.draft_max)
-    spec = SpecParams(types=types, draft_max=draft_max, adaptive=adaptive, draft_min=t.draft_min,
-                      draft_p_min=t.draft_p_min, draft_vocab=t.draft_vocab, verify=t.spec_verify,
-                      select=t.spec_select, mtp_rollback=t.spec_mtp_rollback, **dict(t.ngram))
-    opts = EngineOptions(n_ctx=max(len(p) for p in prompts) + t.n_gen + draft_max + 2, n_batch=inst.n_batch,
-                         n_ubatch=inst.n_ubatch, compile=inst.compile, spec=spec)
-    session = Session(assemble_engine(opts, model.loaded, model.tokenizer, draft.loaded if draft else None), spec)
-    sampling = SamplingParams(temp=t.temp, seed=SEED)
-    sampling.validate()
-    sync = _sync_for(model)
-    used = False  # whether the session's caches and drafters have seen tokens
-    if params.warmup:
-        _generate(session, prompts[0], sampling, min(WARMUP_TOKENS, t.n_gen), sync, _Tally())
-        used = True
-    row = Result(**{**head, "n_prompt": sum(len(p) for p in prompts)})
-    tally = _Tally()
-    for rep in range(params.repetitions):
-        if used and not params.warm:
-            session = session.renew()
-        used = True
+class SpecRun:
+    """One speculative test: its session (set up and warmed up on creation), run a repetition at a time
+    (`run_bench` interleaves the spec tests of one target), its tallies pooled into one row."""
+
+    def __init__(self, model: BenchModel, draft: BenchModel | None, inst: Instance, head: dict, params: BenchParams,
+                 prompt_set: PromptSet, progress: Progress):
+        t = inst.test
+        self.inst, self.params, self.progress, self.model = inst, params, progress, model
+        types = chain_types(t.spec_type)
+        self.prompts = [render_tokens(p, model.tokenizer) for p in prompt_set.prompts]
+        draft_max, adaptive = draft_bound(t.draft_max)
+        spec = SpecParams(types=types, draft_max=draft_max, adaptive=adaptive, draft_min=t.draft_min,
+                          draft_p_min=t.draft_p_min, draft_vocab=t.draft_vocab, verify=t.spec_verify,
+                          select=t.spec_select, mtp_rollback=t.spec_mtp_rollback, **dict(t.ngram))
+        opts = EngineOptions(n_ctx=max(len(p) for p in self.prompts) + t.n_gen + draft_max + 2, n_batch=inst.n_batch,
+                             n_ubatch=inst.n_ubatch, compile=inst.compile, spec=spec)
+        self.session = Session(assemble_engine(opts, model.loaded, model.tokenizer, draft.loaded if draft else None),
+                               spec)
+        self.sampling = SamplingParams(temp=t.temp, seed=SEED)
+        self.sampling.validate()
+        self.sync = _sync_for(model)
+        self.used = False  # whether the session's caches and drafters have seen tokens
+        if params.warmup:
+            _generate(self.session, self.prompts[0], self.sampling, min(WARMUP_TOKENS, t.n_gen), self.sync, _Tally())
+            self.used = True
+        self.row = Result(**{**head, "n_prompt": sum(len(p) for p in self.prompts)})
+        self.set_name = prompt_set.name
+        self.tally = _Tally()
+
+    def repetition(self) -> None:
+        """Every prompt of the set once, on a fresh chain unless --warm; one sample of the row."""
+        tally = self.tally
+        if self.used and not self.params.warm:
+            self.session = self.session.renew()
+        self.used = True
         ns_before, tokens_before = tally.gen_ns, tally.n_tokens
-        for tokens in prompts:
-            _generate(session, tokens, sampling, t.n_gen, sync, tally)
-            progress.runs_done()
+        for tokens in self.prompts:
+            _generate(self.session, tokens, self.sampling, self.inst.test.n_gen, self.sync, tally)
+            self.progress.runs_done()
         ns = tally.gen_ns - ns_before
-        row.samples_ns.append(ns)
-        row.samples_ts.append(1e9 * (tally.n_tokens - tokens_before) / ns if ns else 0.0)
-        progress.log(f"  rep {rep + 1}: {tally.n_tokens - tokens_before} tokens in {ns / 1e6:.1f} ms")
-    row.spec = _spec_fields(t, params, prompt_set.name, len(prompts), tally)
-    row.compile_s = sum(compile_seconds(c) for c in session.engine.contexts)
-    return row
+        self.row.samples_ns.append(ns)
+        self.row.samples_ts.append(1e9 * (tally.n_tokens - tokens_before) / ns if ns else 0.0)
+        self.progress.log(f"  rep {len(self.row.samples_ns)}: {tally.n_tokens - tokens_before} tokens in "
+                          f"{ns / 1e6:.1f} ms")
+
+    def result(self) -> Result:
+        row = self.row
+        row.spec = _spec_fields(self.inst.test, self.params, self.set_name, len(self.prompts), self.tally)
+        row.compile_s = sum(compile_seconds(c) for c in self.session.engine.contexts)
+        return row
 
 
 def _generate(session: Session, tokens: list[int], sampling: SamplingParams, n_predict: int,
