@@ -65,12 +65,15 @@ class Session:
 
     def renew(self, keep_stats: bool = False, **spec_changes) -> Session:
         """A cold session on the same engine, as a fresh process would start (empty caches, fresh drafters and
-        planner), with `spec_changes` applied to the settings; this one is closed. `keep_stats` carries the
-        drafter counters over (the server's totals never go back)."""
+        planner, a cost model that knows only the calibration), with `spec_changes` applied to the settings; this
+        one is closed. `keep_stats` carries the drafter counters over (the server's totals never go back). Why the
+        cost model too: what one configuration's steps taught it changed how the next one planned (compare_peers
+        renews per configuration and prompt: draft-simple on code edits read 1.26x of plain after the n-gram runs
+        had refined it, 0.99x from the calibration alone, as a user's process runs it)."""
         stats = self.stats
         self.close()
         self.reset()
-        fresh = Session(self.engine, replace(self.spec, **spec_changes))
+        fresh = Session(replace(self.engine, costs=self.engine.costs.cold()), replace(self.spec, **spec_changes))
         if keep_stats and fresh.chain is not None:
             fresh.chain.stats = stats
         return fresh

@@ -605,3 +605,18 @@ def test_bench_sweeps_auto_next_to_fixed_lengths(tiny_model_path, prompt_file): 
                                       "4", "-r", "1", "--no-warmup"])
     assert result.exit_code == 0, result.output
     assert "auto |" in result.stdout  # the draft_max column of the md table
+
+
+def test_a_renewed_session_plans_from_the_calibration_alone(tiny_model_path, tiny_close_draft_path):
+    """renew() is a fresh process: what earlier steps taught the cost model does not carry into the next
+    configuration's plans (it made compare_peers' results depend on the configurations run before)."""
+    session = auto_session(tiny_model_path, "ngram-mod,draft-simple", tiny_close_draft_path)
+    run(session, PROMPTS[0])
+    costs = session.engine.costs
+    assert costs.calibrated and costs.observed
+    renewed = session.renew(types=["ngram-simple"])
+    cold = renewed.engine.costs
+    assert cold is not costs and cold.observed == {} and cold.offset == 0.0
+    assert (cold.rows, cold.seconds, cold.cache) == (costs.rows, costs.seconds, costs.cache)
+    assert renewed.chain.planner.costs is cold
+    assert renewed.engine.ctx is session.engine.ctx  # the same models and caches

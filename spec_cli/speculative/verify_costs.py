@@ -92,6 +92,12 @@ class CostModel:
         if self.cache and key and full:  # a curve cut short by a small context is not kept
             _write_cache(self.cache, key, dict(zip(self.rows, self.seconds)))
 
+    def cold(self) -> CostModel:
+        """The calibration alone, without what the steps since taught it: what a new process plans with."""
+        fresh = CostModel(self.cache)
+        fresh.set_points(dict(zip(self.rows, self.seconds)))
+        return fresh
+
     def set_points(self, seconds_by_rows: dict[int, float]) -> None:
         self.rows = sorted(seconds_by_rows)
         self.seconds = [seconds_by_rows[k] for k in self.rows]
