@@ -20,7 +20,8 @@ from spec_cli.context import Context
 from spec_cli.sampling import SamplingParams
 from spec_cli.speculative import adaptive, verify_costs
 from spec_cli.speculative.adaptive import (
-    AUTO, AUTO_DRAFT_MAX, PROBE_BUDGET, PROBE_GAP_MAX, PROBE_GAP_MIN, AcceptanceModel, DraftCost, Planner, expected_tokens,
+    AUTO, AUTO_DRAFT_MAX, FIRST_PROBE_AFTER, PROBE_BUDGET, PROBE_GAP_MAX, PROBE_GAP_MIN, AcceptanceModel, DraftCost,
+    Planner, expected_tokens,
 )
 from spec_cli.speculative.verify_costs import CostModel
 from spec_cli.speculative.chain import Chain
@@ -268,7 +269,8 @@ def test_several_sequences_share_the_padded_verify_batch():
 def test_a_useless_drafter_is_probed_with_growing_gaps_and_recovers():
     planner = planner_with(flat(), {"x": 0.0})  # a probe costs next to nothing: the shortest gap
     probes = [step for step in range(1, 200) if planner.drafting_caps(["x"], 1)["x"] == 1]
-    assert probes == [1 + PROBE_GAP_MIN, 1 + 2 * PROBE_GAP_MIN, 1 + 4 * PROBE_GAP_MIN, 1 + 8 * PROBE_GAP_MIN]
+    f, g = 1 + FIRST_PROBE_AFTER, PROBE_GAP_MIN  # the first probe early in the request, then gaps doubling
+    assert probes == [f, f + g, f + 3 * g, f + 7 * g]
     planner.drafting_caps(["x"], 1)
     planner.step = 1000  # due again: the probe survives the plan that says 0
     assert planner.drafting_caps(["x"], 1) == {"x": 1}
@@ -300,9 +302,10 @@ def test_a_free_drafters_probe_stays_due_until_it_has_a_draft():
         assert planner.plan([(None, 0)], 0.0) == [0]
     planner.drafting_caps(["x"], 1, free)
     assert planner.step == probe_step + PROBE_GAP_MIN and planner.plan([("x", 3)], 0.0) == [1]
-    # a model drafter (not free) is not asked between probes, the first one included, and an empty probe is spent
-    asks = [planner.drafting_caps(["y"], 1)["y"] for _ in range(PROBE_GAP_MIN + 1)]
-    assert asks == [0] * PROBE_GAP_MIN + [1]
+    # a model drafter (not free) gets its first probe FIRST_PROBE_AFTER steps in, is not asked before it, and an
+    # empty probe is spent
+    asks = [planner.drafting_caps(["y"], 1)["y"] for _ in range(FIRST_PROBE_AFTER + 1)]
+    assert asks == [0] * FIRST_PROBE_AFTER + [1]
     planner.plan([(None, 0)], 0.0)
     assert planner.drafting_caps(["y"], 1) == {"y": 0}
 
@@ -343,10 +346,11 @@ def test_a_right_but_dear_drafter_is_probed_ever_more_rarely():
     assert PROBE_GAP_MAX < 4 * first and next_probe(0.0) == PROBE_GAP_MAX
 
 
-def test_a_draft_models_first_probe_is_priced_by_its_prompt_prefill_and_gaps_never_undercut_the_price():
-    """A draft model mirrors the prompt; its first probe (after it falls to 0) will restart from a window of about
-    that size, so that price schedules the first probe, not the shortest gap. And a
-    probe that turns out dearer than the doubled gap allows pushes the next probe out to the price's gap."""
+def test_a_draft_models_probes_after_its_first_are_priced_by_its_prompt_prefill_and_never_undercut_the_price():
+    """A draft model mirrors the prompt; its first probe comes while its cache still holds it (one draft token and
+    a verify row), but a probe after it falls to 0 will restart from a window of about the prompt's size, so that
+    price schedules those probes, not the shortest gap. And a probe that turns out dearer than the doubled gap
+    allows pushes the next probe out to the price's gap."""
     planner = planner_with(flat(), {"x": 1.0})  # worth asking at first
     planner.observe_drafting("x", 9.0, 1)  # not priced
     planner.observe_drafting("x", 0.3, 1)
@@ -366,13 +370,13 @@ def test_a_draft_models_first_probe_is_priced_by_its_prompt_prefill_and_gaps_nev
         if unpriced.drafting_caps(["x"], 1)["x"] == 1:
             probes.append(step)
             unpriced.observe_catch_up("x", 2.0 if len(probes) == 2 else 0.0)  # ... until the 2nd probe's price
-    g = PROBE_GAP_MIN
-    assert probes == [1 + g, 1 + 2 * g, 1 + 4 * g, 1 + 4 * g + round(2.0 / PROBE_BUDGET)]
+    f, g = 1 + FIRST_PROBE_AFTER, PROBE_GAP_MIN
+    assert probes == [f, f + g, f + 3 * g, f + 3 * g + round(2.0 / PROBE_BUDGET)]
 
-    cold = planner_with(flat(), {"x": 0.0})  # never worth asking: even its first probe waits for the prompt's price
-    cold.observe_mirroring("x", 1.0)
-    first = next(step for step in range(1, 10**4) if cold.drafting_caps(["x"], 1)["x"] == 1)
-    assert abs(first - (1 + 1.0 / PROBE_BUDGET)) <= 1
+    cold = planner_with(flat(), {"x": 0.0})  # never worth asking: the first probe comes early, the next one waits
+    cold.observe_mirroring("x", 1.0)  # for the prompt's price
+    first, second = [step for step in range(1, 10**4) if cold.drafting_caps(["x"], 1)["x"] == 1][:2]
+    assert first == 1 + FIRST_PROBE_AFTER and abs(second - (first + 1.0 / PROBE_BUDGET)) <= 1
 
 
 def test_a_dropped_drafter_comes_back_only_through_a_probe():
@@ -381,7 +385,7 @@ def test_a_dropped_drafter_comes_back_only_through_a_probe():
     is a price that estimate does not see."""
     planner = planner_with(steep(), {"x": 0.9})  # sequential verify: speculation cannot pay
     first = next(step for step in range(1, 10**4) if planner.drafting_caps(["x"], 1) == {"x": 1})
-    assert first > 1  # a model drafter's first probe waits its priced gap
+    assert first == 1 + FIRST_PROBE_AFTER  # a model drafter's first probe comes early in the request
     assert planner.drafting_caps(["x"], 1) == {"x": 0}
     planner.costs = flat()  # the cost estimate drifts: now every draft length would pay ...
     gap = planner.next_probe["x"] - planner.step - 1

@@ -43,6 +43,11 @@ PRIOR_WEIGHT = 0.5  # the prior counts as half an observation, forgotten like th
 # draft model a few percent at most, and one that starts to fit the text (a copied block begins) is found again.
 # An n-gram drafter (free to ask) keeps a due probe until the first step it has a draft.
 PROBE_GAP_MIN = 16
+# A model drafter's first probe comes this many steps into a request, while its cache still holds the prompt it
+# mirrored at prompt time (draft_model.IDLE_STEPS): one draft token and one verify row. Waiting for the gap its
+# prompt prefill priced (the next probes' price: an idle cache restarts from a window) meant no probe at all within
+# a 128-token request, and draft-simple, 99 % right on code edits, never drafted in a fresh process (1.01x of plain).
+FIRST_PROBE_AFTER = 1
 PROBE_GAP_MAX = 256
 PROBE_BUDGET = 0.01
 
@@ -177,10 +182,7 @@ class Planner:
         caps = {}
         for name in names:
             if name not in free and name not in self.next_probe:
-                # a model drafter's first probe waits its priced gap (its prompt mirroring stands in for the price),
-                # the gaps doubling after it: at step 1 it cost 35 draft-model rows of every 128-token request on
-                # a host where a one-token draft cannot pay, 3 % of the request (0.87-0.97x of plain on code edits)
-                self.next_probe[name] = self.step + self._probe_gap_min(name)
+                self.next_probe[name] = self.step + FIRST_PROBE_AFTER
             k = self._uniform_length(name, n_seq)
             if k > 0 and name in self.dropped and name not in probed:
                 k = 0  # fallen to 0: only a probe's evidence brings it back, not a drift of the cost estimates
@@ -289,7 +291,8 @@ class Planner:
     def observe_mirroring(self, name: str, seconds: float) -> None:
         """Drafter `name` spent `seconds` mirroring a target decode (its `process`). The first, the prompt (a draft
         model's prefill of it, about a probe's restart window), stands in for a probe's catch-up until a probe is
-        measured, so the first probe is not scheduled as if it were free."""
+        measured, so the probes after the first (which comes while the cache holds the prompt) are not scheduled as
+        if they were free."""
         self.probe_catch_up.setdefault(name, seconds)
 
     def observe_yield(self, name: str, n_asked: int, n_drafts: int) -> None:
