@@ -8,8 +8,8 @@
 # Installs the carried wheels and spec-cli (no dependencies), then the steps named: tests (the suite on CUDA;
 # real-model tests deselected: their files come from PyPI), bench (plain decode eager vs CUDA graphs and the verify
 # cost of a 1.5b-shaped F16 model: scripts/shaped_gguf.py), compile-tests (tests/test_compile.py alone, its CUDA
-# cases included), profile (scripts/cuda_profile.py on that model, CUDA graphs and eager), host (its --host: cProfile of the host's
-# side of a CUDA-graph step), llamacpp (llama-bench
+# cases included), profile (scripts/cuda_profile.py on that model, CUDA graphs and eager), host (its --host:
+# cProfile of the host's side of a CUDA-graph step), llamacpp (llama-bench
 # built for CUDA, sm_90, on the same model). Logs go to $OUT (the device tool brings them back).
 WHEELS="gguf==0.19.0 fastapi==0.165.0 opentelemetry-api==1.45.2 starlette==1.10.0 pydantic==2.14.4
   pydantic_core==2.50.5 annotated-types==0.8.0 annotated-doc==0.0.7 typing-inspection==0.4.5 typing_extensions==4.16.0

@@ -412,7 +412,7 @@ class SpecRun:
     def __init__(self, model: BenchModel, draft: BenchModel | None, inst: Instance, head: dict, params: BenchParams,
                  prompt_set: PromptSet, progress: Progress):
         t = inst.test
-        self.inst, self.params, self.progress, self.model = inst, params, progress, model
+        self.inst, self.params, self.progress = inst, params, progress
         types = chain_types(t.spec_type)
         self.prompts = [render_tokens(p, model.tokenizer) for p in prompt_set.prompts]
         draft_max, adaptive = draft_bound(t.draft_max)
