@@ -33,6 +33,21 @@ def one_token(ctx: Context, pos: int, tok: int) -> int:
     return int(logits[-1].argmax())  # a host sync per token, as generation has
 
 
+def decode_span(ctx: Context, start: int, stop: int, tok: int) -> int:
+    """The cache rolled back to `start`, then one-token decodes at positions start..stop-1; the last token."""
+    ctx.seq_rm(0, start)
+    for pos in range(start, stop):
+        tok = one_token(ctx, pos, tok)
+    return tok
+
+
+def ms_per_token(ctx: Context, tok: int, n: int) -> tuple[float, int]:
+    """Unprofiled wall time per token of n decodes from START; the last token."""
+    t0 = time.perf_counter()
+    tok = decode_span(ctx, START, START + n, tok)
+    return (time.perf_counter() - t0) / n * 1e3, tok
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -42,19 +57,15 @@ def main() -> None:
     args = ap.parse_args()
     lm = load_model(args.model, device="cuda")
     ctx = Context(lm, n_ctx=START + args.tokens + 1, compile=args.compile)
-    tok = 1
-    for pos in range(START):
-        tok = one_token(ctx, pos, tok)
-    for pos in range(START, START + 4):  # the bucket's graph recorded and replayed once before the clock
-        tok = one_token(ctx, pos, tok)
+    tok = decode_span(ctx, 0, START, 1)
+    tok = decode_span(ctx, START, START + 4, tok)  # the bucket's graph recorded and replayed once before the clock
     ctx.seq_rm(0, START)
     torch.cuda.synchronize()
     if args.host:
         return profile_host(ctx, tok, args.tokens)
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for pos in range(START, START + args.tokens):
-            tok = one_token(ctx, pos, tok)
+        decode_span(ctx, START, START + args.tokens, tok)
         torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / args.tokens
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -67,26 +78,19 @@ def main() -> None:
 
 def profile_host(ctx: Context, tok: int, n: int) -> None:
     """Unprofiled wall time per token over the bucket's positions, then the same decodes under cProfile."""
-    t0 = time.perf_counter()
-    for pos in range(START, START + n):
-        tok = one_token(ctx, pos, tok)
-    print(f"--compile: {(time.perf_counter() - t0) / n * 1e3:.3f} ms wall/token (unprofiled)")
-    ctx.seq_rm(0, START)
+    ms, tok = ms_per_token(ctx, tok, n)
+    print(f"--compile: {ms:.3f} ms wall/token (unprofiled)")
     prof = cProfile.Profile()
     prof.enable()
-    for pos in range(START, START + n):
-        tok = one_token(ctx, pos, tok)
+    tok = decode_span(ctx, START, START + n, tok)
     prof.disable()
     stats = pstats.Stats(prof)
     stats.sort_stats("tottime").print_stats(30)
     stats.sort_stats("cumulative").print_stats(30)
     # what dynamo's guard checks cost: the same decodes with them skipped (unsafe in general: not for spec-cli)
-    ctx.seq_rm(0, START)
     with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-        t0 = time.perf_counter()
-        for pos in range(START, START + n):
-            tok = one_token(ctx, pos, tok)
-    print(f"--compile, guards skipped: {(time.perf_counter() - t0) / n * 1e3:.3f} ms wall/token (unprofiled)")
+        ms, _ = ms_per_token(ctx, tok, n)
+    print(f"--compile, guards skipped: {ms:.3f} ms wall/token (unprofiled)")
 
 
 if __name__ == "__main__":
