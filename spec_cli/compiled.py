@@ -13,12 +13,10 @@ graph inputs, so a graph serves every model of the same shapes (a target and a s
     measured, docs/performance.md "Compiled decode") and `auto` leaves it eager.
   - Float weights (`--dtype f32`): inductor fuses the torch ops of `Block.forward_torch` around torch's matmuls and
     SDPA; RMS norm (the kernels' own, as on the eager path) and GELU-tanh are custom ops, the eager bits.
-- CUDA: mode "reduce-overhead" (CUDA graphs), shapes padded to the ROW_BUCKETS (groups and rows) and the key range
-  to a power of two, so cudagraph trees record one CUDA graph per bucket over one compiled graph (rows and key range
-  symbolic); padded rows are never written to the cache, padded keys are masked; the KV caches are marked as static
-  addresses so the graphs write them in place. Ran on one H100 (docs/cuda.md): plain decode of a 1.5b-shaped bf16
-  model 6-9x eager's tok/s after a 40 s first compile; ngram-simple and draft-simple equal to plain there, 1 and 4
-  sequences (tests/test_compile.py). Not bit-identical to eager on CUDA (inductor fuses bf16 ops in another order).
+- CUDA: the same graph (inductor's Triton kernels), shapes padded to the ROW_BUCKETS (groups and rows) and the key
+  range to a power of two, rows and key range symbolic (one compile per group bucket); cuda_graphs.StepGraphs
+  captures each padded shape's whole step (embedding to logits) as a CUDA graph around it. Ran on H100 and H200
+  (docs/cuda.md). Not bit-identical to eager on CUDA (inductor fuses bf16 ops in another order).
 
 Caches: dynamo's compiled frames live in the process; inductor's FX graph cache and AOTAutograd's cache (torch's
 defaults) are kept under `TORCHINDUCTOR_CACHE_DIR`, which spec-cli points at `~/.cache/spec-cli/torch-compile`
@@ -177,14 +175,11 @@ class CompiledStep:
         use_cache_dir()
         _configure()
         register_ops()
-        self.name, self.cuda = name, cuda
+        self.name = name
         self._pad = cuda if pad is None else pad  # pad=True on the CPU: the CUDA graphs' shapes (for tests)
         self.stats = CompileStats()
-        if cuda:
-            # CUDA graphs: cudagraph trees record and replay one graph per padded shape (rows, key range symbolic)
-            self._fn = torch.compile(_layers, mode="reduce-overhead", fullgraph=True)
-        else:
-            self._fn = torch.compile(_layers, dynamic=True, fullgraph=True)
+        # CUDA: dims marked dynamic in __call__ (rows, key range), the CUDA graphs captured by cuda_graphs.py
+        self._fn = torch.compile(_layers, fullgraph=True, dynamic=None if cuda else True)
         self._descs: dict[int, torch.Tensor] = {}  # id(BlockDesc) -> its address as a tensor (no guard on it)
         self._call: tuple[float, int, int] | None = None  # (start, G, T) of the block call in flight
         self._watcher: threading.Thread | None = None
@@ -201,13 +196,6 @@ class CompiledStep:
     @staticmethod
     def fits(n_groups: int, n_rows: int) -> bool:
         return bucket(n_groups) is not None and bucket(n_rows) is not None
-
-    def prepare_cache(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """CUDA graphs write the caches in place: their addresses must be static."""
-        if self.cuda:
-            for k, v in kv:
-                torch._dynamo.mark_static_address(k)
-                torch._dynamo.mark_static_address(v)
 
     def usable(self, model: Transformer) -> bool:
         """One graph per step needs every block on one device (-ngl splits run eager)."""
@@ -233,14 +221,12 @@ class CompiledStep:
             row_args = (plan.row_seq, plan.row_pos, plan.row_write)
         else:
             row_args = (None, None, None)
-        # the key range is a symbol from the first compile (else: one recompile on its change); under CUDA graphs
-        # too: one compiled graph, and cudagraph trees record a CUDA graph per padded shape it is called with
+        # the key range and rows are symbols from the first compile (else: one recompile on their change); on CUDA
+        # too: one compiled graph, captured in a CUDA graph per padded shape (cuda_graphs.py)
         for mask in (plan.mask_full, plan.mask_swa):
             if mask is not None:
                 torch._dynamo.maybe_mark_dynamic(mask, 3)
         torch._dynamo.maybe_mark_dynamic(x, 1)
-        if self.cuda:  # a new replay generation: the previous step's outputs were copied out (Context indexes its rows)
-            torch.compiler.cudagraph_mark_step_begin()
         args = (model, x, plan.positions, plan.write_rows, plan.write_seq, plan.write_pos, plan.kv_seqs,
                 plan.mask_full, plan.mask_swa, [ropes[False], ropes[True]], kv, descs, windows, tables, *row_args)
         return self._timed(self._fn, args, G, T)

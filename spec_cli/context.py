@@ -57,6 +57,7 @@ class Context:
         ]
         self.lengths = [0] * n_seq
         self.step = None  # compiled.CompiledStep with --compile: decode/verify shapes run compiled, padded to buckets
+        self.graphs = None  # cuda_graphs.StepGraphs with --compile on CUDA: those steps replayed as CUDA graphs
         if compile != "off":
             self._init_compiled(compile)
         self.n_decode = 0  # number of decode calls (llama.cpp's n_eval/n_decode_total)
@@ -71,7 +72,10 @@ class Context:
         if compiled.wanted(mode, self.model):
             on_cuda = any(d.type == "cuda" for d in self.model.layer_devices)
             self.step = compiled.CompiledStep(self.loaded.gguf.path.stem, on_cuda)
-            self.step.prepare_cache(self.kv)
+            if on_cuda:
+                from spec_cli.cuda_graphs import StepGraphs
+
+                self.graphs = StepGraphs(self)
 
     @property
     def device(self) -> torch.device:
@@ -124,10 +128,10 @@ class Context:
         logits, hiddens = [], []
         for start in range(0, len(batch), self.n_ubatch):
             rows = range(start, min(start + self.n_ubatch, len(batch)))
-            h = self._decode_ubatch(batch, rows)  # [len(rows), D]
+            h, graph_logits = self._decode_ubatch(batch, rows, head is None)  # [len(rows), D]
             flags = [i - start for i in rows if batch.logits[i]]
             if flags:
-                logits.append((head or self.model.logits)(h[flags]))
+                logits.append(graph_logits if graph_logits is not None else (head or self.model.logits)(h[flags]))
             if hidden:
                 hiddens.append(h)
         self.n_decode += 1
@@ -153,7 +157,10 @@ class Context:
                 raise SpecCliError(f"sequence {seq}: context full ({self.n_ctx_seq} tokens per sequence)")
             expected[seq] += 1
 
-    def _decode_ubatch(self, batch: Batch, rows: range) -> torch.Tensor:
+    def _decode_ubatch(self, batch: Batch, rows: range,
+                       with_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> hidden states of `rows` [n, D] in batch order, and the flagged rows' logits where a CUDA graph
+        computed them (`with_logits`: the model's own output head), else None (decode applies the head)."""
         # group rows per sequence, padded to T rows each: tokens/positions [G, T]
         groups: dict[int, list[int]] = {}
         for i in rows:
@@ -186,24 +193,29 @@ class Context:
 
             n_kv = kv_bucket(n_kv, self.n_ctx_seq)
             seqs = seqs + [seqs[0]] * (G - len(seqs))
+        order = [flat_of_row[i] for i in rows]
+        # a graph's padded rows write the cell after their sequence's last row: none past the context's end
+        if pad and self.graphs is not None and max(self.lengths[s] for s in seqs) < self.n_ctx_seq:
+            flagged = [flat_of_row[i] for i in rows if batch.logits[i]]
+            return self.graphs.run(G, T, n_kv, tokens, positions, seqs, {s: self.lengths[s] for s in seqs}, order,
+                                   flagged, with_logits)
         # every index of the step in one host-to-device copy, issued before the forward (a copy after it would
         # wait for the GPU to finish the step before the output head could be queued)
         contiguous = step is None and seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # compiled: no slice
-        order = [flat_of_row[i] for i in rows]
         parts = (tokens, positions, write_rows, write_seq, write_pos, [] if contiguous else seqs, order)
         packed = torch.tensor([v for part in parts for v in part], dtype=torch.long)
         packed = packed.to(self.model.layer_devices[0], non_blocking=True).split([len(p) for p in parts])
         tokens_t, pos_t, rows_t, seq_t, wpos_t, seqs_t, order_t = packed
         kv_seqs = slice(seqs[0], seqs[0] + len(seqs)) if contiguous else seqs_t
-        plan = self._plan(pos_t.view(G, T), rows_t, seq_t, wpos_t, kv_seqs, n_kv)
+        plan = self.forward_plan(pos_t.view(G, T), rows_t, seq_t, wpos_t, kv_seqs, n_kv)
         with torch.inference_mode():
             if step is not None:
                 hidden = self.model.forward_hidden(tokens_t.view(G, T), plan, self.kv, step=step)
             else:  # every model's forward_hidden, the MTP head's runner included (it is never compiled)
                 hidden = self.model.forward_hidden(tokens_t.view(G, T), plan, self.kv)  # [G, T, D]
-        return hidden.reshape(G * T, -1)[order_t.to(hidden.device)]
+        return hidden.reshape(G * T, -1)[order_t.to(hidden.device)], None
 
-    def _plan(self, pos: torch.Tensor, write_rows: torch.Tensor, write_seq: torch.Tensor, write_pos: torch.Tensor,
+    def forward_plan(self, pos: torch.Tensor, write_rows: torch.Tensor, write_seq: torch.Tensor, write_pos: torch.Tensor,
               kv_seqs: slice | torch.Tensor, n_kv: int) -> ForwardPlan:
         key_pos = torch.arange(n_kv, device=pos.device)
         causal = key_pos <= pos[..., None]  # [G, T, n_kv]; cells past a sequence's length are > any of its positions

@@ -131,6 +131,26 @@ def test_bucket_padding_keeps_the_quantized_logits(q_model):
     assert ctx.step.stats.calls >= 5
 
 
+def test_cuda_graph_step_layout_keeps_the_logits(tiny_model_path):
+    """cuda_graphs.StepGraphs run without capture on the CPU (float weights: the torch ops a CUDA graph replays):
+    the static index buffer, padded rows writing the cell after their sequence's last row, the logits computed in
+    the step for every padded row and gathered, and the graphless fallback for a step that reaches the context's
+    end (sequence 0's last rows) give each sequence's eager logits (up to float sums over padded shapes)."""
+    from spec_cli import compiled
+    from spec_cli.compiled import CompiledStep
+    from spec_cli.cuda_graphs import StepGraphs
+
+    lm = load_model(tiny_model_path, device="cpu", dtype="f32")
+    refs = [one_row_at_a_time(lm, p + [1, 2, 3, 4]) for p in PROMPTS]
+    ctx = Context(lm, n_ctx=4 * 16, n_seq=4)  # 16 cells per sequence: sequence 0 fills its own
+    ctx.step = CompiledStep("tiny", cuda=False, pad=True)
+    ctx.step._fn = compiled._layers  # the step's layout is under test, not inductor (a compile per shape)
+    ctx.graphs = StepGraphs(ctx, capture=False)
+    for seq, logits in enumerate(four_sequences_in_verify_batches(ctx)):
+        torch.testing.assert_close(logits, refs[seq], rtol=1e-4, atol=1e-4, msg=f"sequence {seq}")
+    assert (4, 8) in ctx.graphs.buffers and ctx.graphs.logits  # 3 groups of 5 rows: padded to 4 x 8
+
+
 def test_float_path_compiled_logits_are_bit_identical(tiny_model_path):
     """--dtype f32: inductor's kernels around torch's matmuls and SDPA, on the same (unpadded) shapes as eager; the
     norms (and gemma's GELU-tanh) stay the eager ops as custom ops, so the logits are eager's bits. (gemma3 too,
