@@ -3,7 +3,8 @@
 Greedy decoding of every prompt of a built-in prompt set (chat template applied by spec-cli; llama.cpp gets the same
 token ids), every configuration back to back on each prompt, because this kind of machine drifts by tens of percent
 over minutes. Speed is generation only: tokens after the first one over the time after the first one (prompt
-processing excluded on both sides). Configurations:
+processing excluded on both sides). A round's speed pools its prompts; tok/s is the median over rounds, and every
+ratio the median of the rounds' own ratios (paired: a slow round slows every configuration in it). Configurations:
 
   spec-cli    plain (and plain through --compile on with --compiled), and speculative configurations given as
               TYPES:DRAFT_MAX (default: ngram-mod:16, draft-simple:16, ngram-mod,draft-simple:16 and the same with
@@ -64,9 +65,18 @@ class Config:
     run: Callable[[list[int]], Run]
     runs: list[list[Run]] = field(default_factory=list)  # per round, per prompt
 
+    def round_tok_s(self, rnd: int) -> float:
+        """All tokens / all time over the prompt set in round `rnd`."""
+        return sum(r.n_tokens for r in self.runs[rnd]) / sum(r.seconds for r in self.runs[rnd])
+
     def tok_s(self) -> float:
-        """Median over rounds of (all tokens / all time) over the prompt set."""
-        return statistics.median(sum(r.n_tokens for r in rnd) / sum(r.seconds for r in rnd) for rnd in self.runs)
+        """Median over rounds."""
+        return statistics.median(self.round_tok_s(i) for i in range(len(self.runs)))
+
+    def vs(self, other: Config) -> float:
+        """Median over rounds of this configuration's tok/s over `other`'s in the same round: paired, so the
+        machine's drift between rounds (up to 10 % on these VMs) cancels instead of landing in the ratio."""
+        return statistics.median(self.round_tok_s(i) / other.round_tok_s(i) for i in range(len(self.runs)))
 
     def drafter_stats(self) -> dict[str, DrafterStats]:
         """Counters pooled over every run (llama.cpp's pooled statistics, not means of ratios)."""
@@ -138,8 +148,8 @@ def measure(configs: list[Config], prompts: list[list[int]], rounds: int) -> Non
             for cfg in configs:
                 cfg.runs[-1].append(cfg.run(prompt))
         for cfg in configs:
-            print(f"round {rnd + 1}/{rounds}  {cfg.backend:9s} {cfg.name:38s} {cfg.tok_s():7.2f} tok/s "
-                  "(running median)", flush=True)
+            print(f"round {rnd + 1}/{rounds}  {cfg.backend:9s} {cfg.name:38s} {cfg.round_tok_s(rnd):7.2f} tok/s "
+                  f"({cfg.round_tok_s(rnd) / configs[0].round_tok_s(rnd):.3f}x plain)", flush=True)
 
 
 def main() -> None:
@@ -190,15 +200,16 @@ def main() -> None:
 
 def report(configs: list[Config], args, set_name: str, n_prompts: int, has_llama_cpp: bool) -> None:
     """The table (speed against spec-cli plain, acceptance), drafter statistics and the machine-readable last line."""
-    base = configs[0].tok_s()
     print(f"\n{args.model} (draft {args.model_draft or '-'}), prompt set {set_name} ({n_prompts} prompts), "
-          f"{args.n_gen} tokens greedy, {args.threads} threads, median of {args.rounds} interleaved rounds")
+          f"{args.n_gen} tokens greedy, {args.threads} threads, median of {args.rounds} interleaved rounds "
+          "(ratios: median of the rounds' own)")
     print(f"{'backend':9s}  {'configuration':38s} {'tok/s':>7s} {'vs spec-cli plain':>18s} {'accept %':>9s}")
     rows = []
     for cfg in configs:
         acc = cfg.acceptance()
-        rows.append({"backend": cfg.backend, "config": cfg.name, "tok_s": cfg.tok_s(), "acceptance": acc})
-        print(f"{cfg.backend:9s}  {cfg.name:38s} {cfg.tok_s():7.2f} {cfg.tok_s() / base:17.2f}x "
+        rows.append({"backend": cfg.backend, "config": cfg.name, "tok_s": cfg.tok_s(), "vs_plain": cfg.vs(configs[0]),
+                     "acceptance": acc})
+        print(f"{cfg.backend:9s}  {cfg.name:38s} {cfg.tok_s():7.2f} {cfg.vs(configs[0]):17.3f}x "
               f"{'-' if acc is None else f'{100 * acc:.1f}':>9s}")
     for cfg in configs:
         for st in cfg.drafter_stats().values():
@@ -206,11 +217,11 @@ def report(configs: list[Config], args, set_name: str, n_prompts: int, has_llama
                   f"({', '.join(f'{r:.3f}' for r in st.acc_rate_per_pos[:8])})")
     if args.json:
         print(json.dumps(rows))
-    ours = max(c.tok_s() for c in configs if c.backend == "spec-cli")
-    theirs = [c.tok_s() for c in configs if c.backend == "llama.cpp"]
+    ours = max((c for c in configs if c.backend == "spec-cli"), key=Config.tok_s)
+    theirs = [c for c in configs if c.backend == "llama.cpp"]
     if not has_llama_cpp and not args.no_llama_cpp:
         print("llama-cpp-python is not installed: `pip install llama-cpp-python` (builds llama.cpp from source)")
-    print(f"spec-cli best / llama.cpp best: {ours / max(theirs):.2f}x" if theirs else
+    print(f"spec-cli best / llama.cpp best: {ours.vs(max(theirs, key=Config.tok_s)):.2f}x" if theirs else
           "spec-cli best / llama.cpp best: n/a")
 
 
