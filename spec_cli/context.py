@@ -198,7 +198,7 @@ class Context:
         if pad and self.graphs is not None and max(self.lengths[s] for s in seqs) < self.n_ctx_seq:
             flagged = [flat_of_row[i] for i in rows if batch.logits[i]]
             return self.graphs.run(G, T, n_kv, tokens, positions, seqs, {s: self.lengths[s] for s in seqs}, order,
-                                   flagged, with_logits)
+                                   flagged, with_logits and bool(flagged))
         # every index of the step in one host-to-device copy, issued before the forward (a copy after it would
         # wait for the GPU to finish the step before the output head could be queued)
         contiguous = step is None and seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # compiled: no slice
@@ -215,8 +215,9 @@ class Context:
                 hidden = self.model.forward_hidden(tokens_t.view(G, T), plan, self.kv)  # [G, T, D]
         return hidden.reshape(G * T, -1)[order_t.to(hidden.device)], None
 
-    def forward_plan(self, pos: torch.Tensor, write_rows: torch.Tensor, write_seq: torch.Tensor, write_pos: torch.Tensor,
-              kv_seqs: slice | torch.Tensor, n_kv: int) -> ForwardPlan:
+    def forward_plan(self, pos: torch.Tensor, write_rows: torch.Tensor, write_seq: torch.Tensor,
+                     write_pos: torch.Tensor, kv_seqs: slice | torch.Tensor, n_kv: int) -> ForwardPlan:
+        """The plan of a step whose indices are on the device already (masks built there: no host sync)."""
         key_pos = torch.arange(n_kv, device=pos.device)
         causal = key_pos <= pos[..., None]  # [G, T, n_kv]; cells past a sequence's length are > any of its positions
         window = self.config.sliding_window

@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType
 from spec_cli.batch import Batch
 from spec_cli.context import Context
 from spec_cli.engine import EngineOptions
-from spec_cli.generate import generate
+from spec_cli.generate import SpecOverrides, generate
 from spec_cli.gguf_file import GGUFFile
 from spec_cli.loader import load_model
 from spec_cli import mtp as mtp_module
@@ -210,6 +210,32 @@ def test_partial_acceptance_keeps_committed_state_only(mtp_path, rollback):
     assert sizes[0] == 1 + keep - kept_rows  # the seed row, behind the re-decoded accepted rows
     if rollback == "reeval":
         assert q.result == reference_draft(drafter.ctx.head, session.engine.target, q.prompt, 5, 3)
+
+
+def test_an_unused_head_decodes_nothing_and_catches_up_exactly_when_asked_again(mtp_path, plain_outputs, monkeypatch):
+    """Not asked for IDLE_STEPS target decodes (per-request types here; the adaptive planner drops a head alike),
+    the head stops decoding committed rows; asked again, `catch_up` decodes the backlog from the hidden states the
+    feed kept, so its drafts are a from-scratch head's (reeval) and the output is plain's."""
+    monkeypatch.setattr(mtp_drafter, "DEFER_MAX", 4)
+    session = make_session(mtp_path, "draft-mtp", mtp_rollback="reeval")
+    session.reset()
+    drafter = session.chain.drafters[-1]
+    sizes = head_rows_decoded(drafter)
+    calls = record_drafts(session)
+    gen = session.generator()
+    out = list(gen.start(0, PROMPTS[0], GREEDY, N_PREDICT, SpecOverrides(types=set())).tokens)
+    s = gen.active[0]
+    while s.n_generated < N_PREDICT // 2:
+        out += [t for e in gen.step() for t in e.tokens]
+    assert s.n_drafted == 0 and sum(sizes) <= len(PROMPTS[0]) + mtp_drafter.IDLE_STEPS + 1  # only while not idle
+    assert len(drafter.target_cache.tokens[0]) - drafter.n_done[0] > 4  # a backlog
+    s.spec.types = None  # draft-mtp may draft again
+    while not s.done:
+        out += [t for e in gen.step() for t in e.tokens]
+    assert out == plain_outputs[0] and s.n_accepted > 0
+    head, lm = drafter.ctx.head, session.engine.target
+    assert calls and all(drafted == reference_draft(head, lm, prompt, id_last, len(drafted))
+                         for prompt, id_last, drafted in calls)
 
 
 # --- losslessness -------------------------------------------------------------------------------------------
