@@ -206,10 +206,10 @@ def report(configs: list[Config], args, set_name: str, n_prompts: int, has_llama
     print(f"{'backend':9s}  {'configuration':38s} {'tok/s':>7s} {'vs spec-cli plain':>18s} {'accept %':>9s}")
     rows = []
     for cfg in configs:
-        acc = cfg.acceptance()
-        rows.append({"backend": cfg.backend, "config": cfg.name, "tok_s": cfg.tok_s(), "vs_plain": cfg.vs(configs[0]),
+        acc, tok_s, vs_plain = cfg.acceptance(), cfg.tok_s(), cfg.vs(configs[0])
+        rows.append({"backend": cfg.backend, "config": cfg.name, "tok_s": tok_s, "vs_plain": vs_plain,
                      "acceptance": acc})
-        print(f"{cfg.backend:9s}  {cfg.name:38s} {cfg.tok_s():7.2f} {cfg.vs(configs[0]):17.3f}x "
+        print(f"{cfg.backend:9s}  {cfg.name:38s} {tok_s:7.2f} {vs_plain:17.3f}x "
               f"{'-' if acc is None else f'{100 * acc:.1f}':>9s}")
     for cfg in configs:
         for st in cfg.drafter_stats().values():

@@ -106,8 +106,10 @@ class StepGraphs:
         step's own: they write the same keys and values the replay writes again."""
         device = self.ctx.model.layer_devices[0]
         cfg = self.ctx.config
-        for base in {cfg.rope_base, cfg.rope_base_swa}:  # grown before capture: a graph never sees it regrow
-            rope_table(cfg.rope_dim, base, cfg.rope_scale, self.ctx.n_ctx_seq, device)
+        # grown to the context before capture, so the step reads these very tables; kept alive with the graph (a
+        # context with a longer one may grow the shared table later)
+        tables = [rope_table(cfg.rope_dim, base, cfg.rope_scale, self.ctx.n_ctx_seq, device)
+                  for base in {cfg.rope_base, cfg.rope_base_swa}]
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
@@ -119,8 +121,5 @@ class StepGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             self._step(key)
-        for base in {cfg.rope_base, cfg.rope_base_swa}:  # what the capture read stays alive (a context with a
-            table = rope_table(cfg.rope_dim, base, cfg.rope_scale, self.ctx.n_ctx_seq, device)  # longer context
-            if all(table is not t for t in self.kept):  # may grow the shared table later)
-                self.kept.append(table)
+        self.kept.extend(t for t in tables if all(t is not k for k in self.kept))
         return graph

@@ -93,18 +93,20 @@ class MTPDrafter(Drafter):
             self.n_done[seq] = min(self.n_done[seq], p0)
             self.idle[seq] += 1
         self.ctx.set_feed(batch.seq_ids, batch.pos, hidden)
-        tokens = self.target_cache.tokens
-        active = [seq for seq in range(len(tokens)) if self.idle[seq] <= IDLE_STEPS]
-        if sum(len(tokens[seq]) - self.n_done[seq] for seq in active) > DEFER_MAX:
+        active = [seq for seq, idle in enumerate(self.idle) if idle <= IDLE_STEPS]
+        if sum(self._backlog(seq) for seq in active) > DEFER_MAX:
             self._decode(self._catch_up(Batch(), active))
 
     def catch_up(self, params: list[DraftParams]) -> None:
         """Called by the chain before `draft`: the backlog of a sequence that was idle (more than DEFER_MAX rows),
         decoded apart from the draft, whose time the planner prices per drafted token."""
-        behind = [p.seq for p in params
-                  if p.seq not in self.lost and len(self.target_cache.tokens[p.seq]) - self.n_done[p.seq] > DEFER_MAX]
+        behind = [p.seq for p in params if p.seq not in self.lost and self._backlog(p.seq) > DEFER_MAX]
         if behind:
             self._decode(self._catch_up(Batch(), behind))
+
+    def _backlog(self, seq: int) -> int:
+        """Committed target rows whose head rows are not decoded yet."""
+        return len(self.target_cache.tokens[seq]) - self.n_done[seq]
 
     def accept(self, seq: int, n_accepted: int, is_other: bool) -> None:
         # Same bookkeeping whoever drafted (is_other): the target kept id_last + n_accepted rows of the last batch,
