@@ -18,6 +18,7 @@ Bit-identity of whole models' logits across batches is tests/test_batch_invarian
 
 from __future__ import annotations
 
+import gc
 import math
 from types import SimpleNamespace
 
@@ -214,6 +215,25 @@ def test_rows_are_packed_8_at_a_time_where_avx2_and_scalar_give_the_same_bits(qt
     fast = with_isa(True, lambda: layer(x))
     slow = with_isa(False, lambda: layer(x))
     assert torch.equal(fast, slow)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)  # packed, and kept as it is
+def test_weights_past_a_huge_page_live_in_aligned_buffers_and_multiply_alike(qtype, monkeypatch):
+    """Segments of 2 MiB and more are copied into huge-page-advised buffers from a 2 MiB boundary that outlive
+    every other reference; the products equal those over plain allocations bit for bit."""
+    shape = (4096, 1024)  # 2.25 MiB of Q4_K, 3.3 MiB of Q6_K
+    raw, _ = make_weight(qtype, shape, seed=21)
+    assert raw.numel() >= kernels.HUGE_PAGE
+    x = make_rows(5, shape[1], seed=22)
+    huge = QLinear.from_gguf(raw, qtype, shape)
+    segment = huge.desc.packed[0][1]
+    assert segment.data_ptr() % kernels.HUGE_PAGE == 0 and segment.data_ptr() != raw.data_ptr()
+    del segment
+    gc.collect()
+    y = huge(x)
+    monkeypatch.setattr(kernels, "HUGE_PAGE", 1 << 40)  # every buffer a plain torch.empty
+    plain = QLinear.from_gguf(raw, qtype, shape)
+    assert torch.equal(plain(x), y)
 
 
 @pytest.mark.parametrize("qtype", sorted(kernels.PACKED_TYPES), ids=lambda t: t.name)
