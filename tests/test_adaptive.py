@@ -72,12 +72,25 @@ def test_acceptance_update_follows_the_conditional_definition():
     assert model.rates("x")[:3] == [0.5, 0.5, 0.5]  # the prior
     model.observe("x", 4, 2)  # positions 1, 2 accepted, 3 rejected, 4 never tried (its condition failed)
     w = adaptive.PRIOR_WEIGHT * adaptive.ACCEPT_DECAY  # the prior's weight after one observation
+    d = adaptive.DEPTH_PRIOR_WEIGHT * adaptive.ACCEPT_DECAY  # a deeper position's borrowed prior weighs more
     a1 = (1 + w * 0.5) / (1 + w)
-    a2 = (1 + w * a1) / (1 + w)
-    a3 = (0 + w * a2) / (1 + w)
+    a2 = (1 + d * a1) / (1 + d)
+    a3 = (0 + d * a2) / (1 + d)
     assert model.rates("x")[:4] == pytest.approx([a1, a2, a3, a3])  # position 4 borrows from position 3
     assert model.gains("x")[:3] == pytest.approx([a1, a1 * a2, a1 * a2 * a3])
     assert model.rates("y")[0] == 0.5  # per drafter
+
+
+def test_a_few_short_accepted_drafts_do_not_buy_a_long_one():
+    """Accepted drafts of 1 and then 2 tokens (an n-gram drafter on prose): the positions never verified borrow
+    from the ones before, but as a guess, not as evidence: the planner does not jump to a long draft (it planned 8
+    tokens here, rejected at the first, on chat and summarize prompts)."""
+    costs = CostModel()  # qwen2.5-coder-1.5b's curve on 2 cores (ms): a 2-row verify costs 1.5 decodes
+    costs.set_points({1: 29.3, 2: 44.8, 3: 58.2, 4: 73.1, 6: 100.2, 8: 125.0, 12: 175.0, 16: 225.0})
+    planner = Planner(costs)
+    planner.observe_accept("ngram-cache", 1, 1)
+    planner.observe_accept("ngram-cache", 2, 2)
+    assert 1 <= planner.plan([("ngram-cache", 16)], 0.0)[0] <= 3  # was 10
 
 
 def test_acceptance_decays_so_it_follows_a_change_of_text():
