@@ -83,8 +83,8 @@ def test_acceptance_update_follows_the_conditional_definition():
 
 def test_a_few_short_accepted_drafts_do_not_buy_a_long_one():
     """Accepted drafts of 1 and then 2 tokens (an n-gram drafter on prose): the positions never verified borrow
-    from the ones before, but as a guess, not as evidence: the planner does not jump to a long draft (it planned 8
-    tokens here, rejected at the first, on chat and summarize prompts)."""
+    from the ones before, but as a guess, not as evidence: the planner does not jump to a long draft (it planned 10
+    tokens here; on chat and summarize prompts ngram-cache's 8-token drafts were rejected at the first)."""
     costs = CostModel()  # qwen2.5-coder-1.5b's curve on 2 cores (ms): a 2-row verify costs 1.5 decodes
     costs.set_points({1: 29.3, 2: 44.8, 3: 58.2, 4: 73.1, 6: 100.2, 8: 125.0, 12: 175.0, 16: 225.0})
     planner = Planner(costs)

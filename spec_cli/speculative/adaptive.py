@@ -36,9 +36,9 @@ ACCEPT_DECAY = 0.9  # per observation: memory of ~10 drafts, so the estimate fol
 PRIOR_ACCEPT = 0.5  # prior a_1 of a drafter never seen; position i > 1 starts from the estimate at i - 1
 PRIOR_WEIGHT = 1.0  # the prior of a_1 counts as one observation, forgotten like the others
 # A deeper position's prior, borrowed from the position before it, is a guess about another position: it counts as
-# DEPTH_PRIOR_WEIGHT observations. At 0.5 like a_1's, two accepted drafts of 1 and 2 tokens made an 8-token draft
-# look 70 % likely to go through, and it was rejected at its first token (chat, summarize and a code edit of
-# qwen2.5-coder-1.5b, ngram-cache). Replayed over the built-in prompt sets' greedy outputs (1.5b and 0.5b) with
+# DEPTH_PRIOR_WEIGHT observations. At 0.5 like a_1's, two accepted drafts of 1 and 2 tokens made ngram-cache's next
+# draft, all 8 tokens of it, look 70 % likely to go through, and it was rejected at its first token (chat, summarize
+# and a code edit of qwen2.5-coder-1.5b). Replayed over the built-in prompt sets' greedy outputs (1.5b and 0.5b) with
 # the measured cost curve: worst prompt 0.937x -> 0.989x of plain, code-edit within +-2 % (ngram-cache +5-9 %).
 DEPTH_PRIOR_WEIGHT = 4.0
 # Exploration: a drafter planned at 0 tokens gets a 1-token probe (its estimate only changes when it drafts), the
