@@ -143,7 +143,7 @@ def weight_buffer(shape: tuple[int, int]) -> torch.Tensor:
     """An uninitialized uint8 tensor of `shape` for weights that every decode streams whole, in anonymous memory
     advised for transparent huge pages (MADV_HUGEPAGE, from a 2 MiB boundary). Under THP's usual `madvise` policy
     plain allocations and the GGUF memory map get 4 KiB pages, and the TLB misses of reading ~1 GB of them per token
-    cost qwen2.5-coder-1.5b 4-6 % and the 0.5b 5-12 % of their decode speed on a 2-core EPYC VM (llama.cpp's buffers
+    cost qwen2.5-coder-1.5b 5-8 % and the 0.5b 5-12 % of their decode speed on a 2-core EPYC VM (llama.cpp's buffers
     have 4 KiB pages too). Where THP is off or unsupported the advice is ignored: plain pages."""
     n = shape[0] * shape[1]
     if n < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
