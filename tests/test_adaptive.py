@@ -387,9 +387,10 @@ def test_a_draft_models_probes_after_its_first_are_priced_by_its_prompt_prefill_
     assert probes == [f, f + g, f + 3 * g, f + 3 * g + round(2.0 / PROBE_BUDGET)]
 
     cold = planner_with(flat(), {"x": 0.0})  # never worth asking: the first probe comes early, the next one waits
-    cold.observe_mirroring("x", 1.0)  # for the prompt's price ...
+    cold.observe_mirroring("x", 0.0)  # the prompt's decode (an MTP head defers its rows there) ...
+    cold.observe_mirroring("x", 1.0)  # ... then `begin`, which decodes them: the prompt's price, which ...
     first = next(cold.step for _ in range(10) if cold.drafting_caps(["x"], 1)["x"] == 1)
-    cold.observe_catch_up("x", 0.0)  # ... which the early probe's free catch-up (the prompt was in cache) does
+    cold.observe_catch_up("x", 0.0)  # ... the early probe's free catch-up (the prompt was in cache) does
     cold.acceptance.gains = lambda name: [1.0] * AUTO_DRAFT_MAX  # not undercut, not even when the probe was right,
     assert cold.drafting_caps(["x"], 1)["x"] > 0  # the drafter asked at the next step (its probes start over) and
     cold.observe_catch_up("x", 0.0)

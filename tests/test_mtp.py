@@ -110,15 +110,16 @@ def test_gguf_layout_and_loading(mtp_path, tmp_path):
 # --- the hidden-state shift and rollback ----------------------------------------------------------------------
 
 
-def reference_draft(head, lm, prompt: list[int], id_last: int, n: int, shift: int = 1) -> list[int]:
+def reference_draft(head, lm, prompt: list[int], id_last: int, n: int, shift: int = 1, start: int = 0) -> list[int]:
     """Greedy drafts by brute force: the target run afresh over the committed tokens, then for every draft position
-    the head run afresh over all rows, row p reading feed[p - shift] (feed = target hidden states of the committed
-    positions, then the head's own outputs at the drafted ones). shift=1 is the NextN definition."""
+    the head run afresh over the rows from target position `start` (a restart window: head position 0, reading no
+    hidden state), row p reading feed[p - shift] (feed = target hidden states of the committed positions, then the
+    head's own outputs at the drafted ones). shift=1 is the NextN definition."""
     batch = Batch()
     for i, t in enumerate(prompt):
         batch.add(t, i, 0, False)
-    feed = Context(lm, n_ctx=len(prompt) + n + 2).decode(batch, hidden=True).hidden  # [P, D]
-    tokens, drafts = prompt + [id_last], []
+    feed = Context(lm, n_ctx=len(prompt) + n + 2).decode(batch, hidden=True).hidden[start:]  # [P - start, D]
+    tokens, drafts = prompt[start:] + [id_last], []
     with torch.no_grad():
         for _ in range(n):
             prev = torch.zeros(len(tokens), feed.shape[1])
@@ -212,11 +213,31 @@ def test_partial_acceptance_keeps_committed_state_only(mtp_path, rollback):
         assert q.result == reference_draft(drafter.ctx.head, session.engine.target, q.prompt, 5, 3)
 
 
-def test_an_unused_head_decodes_nothing_and_catches_up_exactly_when_asked_again(mtp_path, plain_outputs, monkeypatch):
+def test_the_prompts_head_rows_are_decoded_with_the_prompt(mtp_path):
+    """`begin` (inside the prompt's processing) decodes the prompt's head rows, so the first draft decodes its seed
+    row alone, not the prompt behind it."""
+    session = make_session(mtp_path, "draft-mtp")
+    session.reset()
+    drafter = session.chain.drafters[-1]
+    id_last = session.generator().start(0, PROMPTS[0], GREEDY, N_PREDICT).tokens[0]
+    assert drafter.n_done[0] == drafter.ctx.lengths[0] == len(PROMPTS[0])
+    sizes = head_rows_decoded(drafter)
+    p = DraftParams(0, 2, len(PROMPTS[0]), id_last, list(PROMPTS[0]))
+    drafter.catch_up([p])
+    drafter.draft([p])
+    assert sizes == [1, 1] and p.result == reference_draft(drafter.ctx.head, session.engine.target, PROMPTS[0],
+                                                           id_last, 2)
+
+
+@pytest.mark.parametrize("window", [mtp_drafter.RESTART_WINDOW, 3])
+def test_an_unused_head_decodes_nothing_and_catches_up_exactly_when_asked_again(mtp_path, plain_outputs, monkeypatch,
+                                                                               window):
     """Not asked for IDLE_STEPS target decodes (per-request types here; the adaptive planner drops a head alike),
     the head stops decoding committed rows; asked again, `catch_up` decodes the backlog from the hidden states the
-    feed kept, so its drafts are a from-scratch head's (reeval) and the output is plain's."""
+    feed kept, or, more than `window` rows behind, restarts the head from the last `window` positions: its drafts
+    are a from-scratch head's over those rows (reeval) and the output is plain's."""
     monkeypatch.setattr(mtp_drafter, "DEFER_MAX", 4)
+    monkeypatch.setattr(mtp_drafter, "RESTART_WINDOW", window)
     session = make_session(mtp_path, "draft-mtp", mtp_rollback="reeval")
     session.reset()
     drafter = session.chain.drafters[-1]
@@ -228,13 +249,17 @@ def test_an_unused_head_decodes_nothing_and_catches_up_exactly_when_asked_again(
     while s.n_generated < N_PREDICT // 2:
         out += [t for e in gen.step() for t in e.tokens]
     assert s.n_drafted == 0 and sum(sizes) <= len(PROMPTS[0]) + mtp_drafter.IDLE_STEPS + 1  # only while not idle
-    assert len(drafter.target_cache.tokens[0]) - drafter.n_done[0] > 4  # a backlog
+    backlog = len(drafter.target_cache.tokens[0]) - drafter.n_done[0]
+    assert backlog > 4
+    del sizes[:]
     s.spec.types = None  # draft-mtp may draft again
     while not s.done:
         out += [t for e in gen.step() for t in e.tokens]
     assert out == plain_outputs[0] and s.n_accepted > 0
-    head, lm = drafter.ctx.head, session.engine.target
-    assert calls and all(drafted == reference_draft(head, lm, prompt, id_last, len(drafted))
+    restarted = backlog > window
+    assert sizes[0] == (window if restarted else backlog) and (drafter.offset[0] > 0) == restarted
+    head, lm, start = drafter.ctx.head, session.engine.target, drafter.offset[0]
+    assert calls and all(drafted == reference_draft(head, lm, prompt, id_last, len(drafted), start=start)
                          for prompt, id_last, drafted in calls)
 
 

@@ -173,7 +173,8 @@ class Planner:
         self.dropped: set[str] = set()
         self.probes_granted: set[str] = set()  # drafters granted a probe at the last step
         self.free: frozenset[str] = frozenset()  # this step's drafters whose asking costs nothing (drafting_caps)
-        self.probe_catch_up: dict[str, float] = {}  # seconds the last probe of a drafter (or its prompt) caught up
+        self.probe_catch_up: dict[str, float] = {}  # seconds the last probe of a drafter caught up
+        self.mirroring_price: dict[str, float] = {}  # its dearest mirroring (a prompt's): priced until measured
         self.unasked: set[str] = set()  # model drafters not asked yet: their first ask finds the prompt in cache
 
     # --- planning -------------------------------------------------------------------------------------------
@@ -281,7 +282,8 @@ class Planner:
         drafter's next to nothing."""
         if not self.costs.calibrated:
             return PROBE_GAP_MIN
-        price = self.probe_catch_up.get(name, 0.0) + self._draft_cost(name) + self.costs(2) - self.costs(1)
+        catch_up = self.probe_catch_up.get(name, self.mirroring_price.get(name, 0.0))
+        price = catch_up + self._draft_cost(name) + self.costs(2) - self.costs(1)
         return min(max(PROBE_GAP_MIN, math.ceil(price / (PROBE_BUDGET * self.costs(1)))), PROBE_GAP_MAX)
 
     def _draft_cost(self, name: str) -> float:
@@ -305,11 +307,12 @@ class Planner:
             self.probe_catch_up[name] = seconds
 
     def observe_mirroring(self, name: str, seconds: float) -> None:
-        """Drafter `name` spent `seconds` mirroring a target decode (its `process`). The first, the prompt (a draft
-        model's prefill of it, about a probe's restart window), stands in for a probe's catch-up until a probe is
-        measured, so the probes after the first (which comes while the cache holds the prompt) are not scheduled as
-        if they were free."""
-        self.probe_catch_up.setdefault(name, seconds)
+        """Drafter `name` spent `seconds` mirroring the target (its `process` of a target decode, its `begin` of a
+        request). The dearest, a prompt's (a draft model's prefill of it in `process`, an MTP head's prompt rows in
+        `begin`: about a probe's restart window), stands in for a probe's catch-up until a probe is measured, so the
+        probes after the first (which comes while the cache holds the prompt) are not scheduled as if they were
+        free."""
+        self.mirroring_price[name] = max(self.mirroring_price.get(name, 0.0), seconds)
 
     def observe_yield(self, name: str, n_asked: int, n_drafts: int) -> None:
         """Drafter `name` was asked to draft for n_asked sequences and gave n_drafts non-empty drafts."""

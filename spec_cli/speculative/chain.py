@@ -79,9 +79,12 @@ class Chain:
         for d in self.drafters:
             t0 = time.perf_counter()
             d.begin(seq, prompt)
+            seconds = time.perf_counter() - t0
             st = self.stats[d.name]
             st.n_call_begin += 1
-            st.t_begin_us += (time.perf_counter() - t0) * 1e6
+            st.t_begin_us += seconds * 1e6
+            if self.planner is not None:
+                self.planner.observe_mirroring(d.name, seconds)
 
     def process(self, batch: Batch) -> None:
         for d in self.drafters:

@@ -6,14 +6,22 @@ target batch t_a..t_b (positions a..b) gives head rows (t_a, h_{a-1}), (t_{a+1},
 first row's h_{a-1} is the "pending" state of the previous batch. The hidden inputs live in MTPContext.feed
 (feed[seq, p] = target hidden at p), so pending is simply feed[seq, last committed position].
 
-Head rows are not decoded in `process`: they are deferred (up to DEFER_MAX rows, like llama.cpp) and decoded together
-with the next draft's seed rows, in one head decode; rows of rejected draft tokens are dropped by `accept` before
-they cost anything. A sequence not asked for a draft in IDLE_STEPS target decodes (the adaptive planner dropped the
-head) defers all its rows: an unused head costs nothing per step (decoding every committed token's row, 64 at a
-time, kept draft-mtp at 0.96-0.97x of plain on free writing); asked again, `catch_up` decodes the backlog from the
-target hidden states kept in the feed, outside the drafting time the planner prices per token.
-`n_done[seq]` = head KV positions [0, n_done) that are final (built from committed tokens and target hidden states);
-everything past it in the head KV is draft scratch, trimmed before the next decode.
+The prompt's head rows are decoded by `begin`, with the prompt (llama.cpp fills the NextN layer's KV while it
+processes the prompt): a short prompt's rows, deferred to the first draft, made that draft a 60-row head decode
+(20-26 ms on qwen2.5-coder-1.5b, most of a target forward), paid at every request's first probe.
+After that, head rows are not decoded in `process`: they are deferred (up to DEFER_MAX rows, like llama.cpp) and
+decoded together with the next draft's seed rows, in one head decode; rows of rejected draft tokens are dropped by
+`accept` before they cost anything. A sequence not asked for a draft in IDLE_STEPS target decodes (the adaptive
+planner dropped the head) defers all its rows: an unused head costs nothing per step (decoding every committed
+token's row, 64 at a time, kept draft-mtp at 0.96-0.97x of plain on free writing); asked again, `catch_up` decodes
+the backlog from the target hidden states kept in the feed, outside the drafting time the planner prices per token,
+and more than RESTART_WINDOW rows behind it restarts the head's KV from the last RESTART_WINDOW committed positions
+(as draft-simple restarts its cache), so a probe after a long idle stretch costs a window, not the whole stretch.
+Head positions are target positions minus `offset[seq]` (the target position of the window's first row; 0 until a
+restart); the feed is indexed by head position. The window's first row reads no hidden state (as position 0 does):
+the head's drafts change, not the output (the target verifies every token).
+`n_done[seq]` = target positions [offset, n_done) whose head rows are final (built from committed tokens and target
+hidden states); everything past it in the head KV is draft scratch, trimmed before the next decode.
 
 Rollback after a verify (`--spec-mtp-rollback`): the draft's head rows at pos0, pos0+1, ... hold (id_last, d_1, ...).
 The seed row read the target's own hidden state, so it equals the row a catch-up would decode and is always kept.
@@ -37,7 +45,7 @@ from spec_cli.context import Context
 from spec_cli.errors import SpecCliError, UsageError
 from spec_cli.mtp import MTPContext
 from spec_cli.speculative.base import DraftParams, Drafter, SpecParams, TargetCache
-from spec_cli.speculative.draft_model import DRAFT_TOP_K, IDLE_STEPS
+from spec_cli.speculative.draft_model import DRAFT_TOP_K, IDLE_STEPS, RESTART_WINDOW
 
 MTP_DRAFT_MAX = 3  # llama.cpp #23269: MTP acceptance falls off quickly with depth, so 3 (not the global 16)
 MTP_DRAFT_P_MIN = 0.0  # llama.cpp #23269 default for MTP (not the global 0.75)
@@ -68,12 +76,15 @@ class MTPDrafter(Drafter):
         self.n_max, self.p_min = n_max, p_min
         self.target_cache = TargetCache(n_seq)  # target tokens by position (as in its KV)
         self.n_done = [0] * n_seq
+        self.offset = [0] * n_seq  # target position of head position 0 (> 0 after a restart from a window)
         self.rows: dict[int, tuple[int, list[int]]] = {}  # seq -> (pos0, tokens) of the last draft's head rows
         self.lost: set[int] = set()  # sequences resumed past positions this drafter never processed
         self.idle = [0] * n_seq  # target decodes since the sequence last asked for a draft
 
     def begin(self, seq: int, prompt: list[int]) -> None:
-        self.idle[seq] = 0  # a new request: its prompt's head rows are decoded as it arrives
+        self.idle[seq] = 0
+        if seq not in self.lost and self._backlog(seq) > 0:
+            self._decode(self._catch_up(Batch(), [seq]))  # the prompt's rows, as part of its processing
 
     def process(self, batch: Batch) -> None:
         hidden = self.target.last_hidden  # [len(batch), D] target pre-norm states, batch order
@@ -86,23 +97,46 @@ class MTPDrafter(Drafter):
             if p0 is None:
                 # positions this drafter never saw (a KV cache filled without it): no drafts until a fresh start
                 self.lost.add(seq)
-                self.n_done[seq] = 0
+                self.offset[seq] = self.n_done[seq] = 0
                 continue
             if p0 == 0:
                 self.lost.discard(seq)
+            if p0 < self.offset[seq]:  # the target went back before the window: the head starts over at 0
+                self.offset[seq] = self.n_done[seq] = 0
             self.n_done[seq] = min(self.n_done[seq], p0)
             self.idle[seq] += 1
-        self.ctx.set_feed(batch.seq_ids, batch.pos, hidden)
+        self.ctx.set_feed(batch.seq_ids, [pos - self.offset[seq] for pos, seq in zip(batch.pos, batch.seq_ids)],
+                          hidden)
         active = [seq for seq, idle in enumerate(self.idle) if idle <= IDLE_STEPS]
         if sum(self._backlog(seq) for seq in active) > DEFER_MAX:
             self._decode(self._catch_up(Batch(), active))
 
     def catch_up(self, params: list[DraftParams]) -> None:
-        """Called by the chain before `draft`: the backlog of a sequence that was idle (more than DEFER_MAX rows),
-        decoded apart from the draft, whose time the planner prices per drafted token."""
-        behind = [p.seq for p in params if p.seq not in self.lost and self._backlog(p.seq) > DEFER_MAX]
+        """Called by the chain before `draft`: the backlog of a sequence that was idle (from a window of the last
+        RESTART_WINDOW positions where it is longer) or is more than DEFER_MAX rows behind, decoded apart from the
+        draft, whose time the planner prices per drafted token."""
+        behind = []
+        for p in params:
+            seq = p.seq
+            if seq in self.lost:
+                continue
+            idle = self.idle[seq] > IDLE_STEPS
+            if idle and self._backlog(seq) > RESTART_WINDOW:
+                self._restart(seq, len(self.target_cache.tokens[seq]) - RESTART_WINDOW)
+            if (idle and self._backlog(seq) > 0) or self._backlog(seq) > DEFER_MAX:
+                behind.append(seq)
         if behind:
             self._decode(self._catch_up(Batch(), behind))
+
+    def _restart(self, seq: int, offset: int) -> None:
+        """Empty the head's KV of `seq` and move head position 0 to target position `offset`, keeping the target
+        hidden states of the positions from there in the feed."""
+        shift = offset - self.offset[seq]
+        feed = self.ctx.feed[seq]
+        n = len(self.target_cache.tokens[seq]) - offset
+        feed[:n] = feed[shift : shift + n].clone()
+        self.ctx.seq_rm(seq, 0)
+        self.offset[seq] = self.n_done[seq] = offset
 
     def _backlog(self, seq: int) -> int:
         """Committed target rows whose head rows are not decoded yet."""
@@ -117,7 +151,7 @@ class MTPDrafter(Drafter):
         tokens = self.target_cache.tokens[seq]
         del tokens[keep:]
         self.n_done[seq] = max(min(self.n_done[seq], keep), self._kept_rows(seq, tokens))
-        self.ctx.seq_rm(seq, self.n_done[seq])
+        self.ctx.seq_rm(seq, self.n_done[seq] - self.offset[seq])
 
     def _kept_rows(self, seq: int, tokens: list[int]) -> int:
         """End of the last draft's head rows that stay final: the seed row, and under partial rollback the rows of
@@ -147,7 +181,7 @@ class MTPDrafter(Drafter):
                 active[p.seq] = p
         self._catch_up(batch, active)
         for seq, p in active.items():
-            batch.add(p.id_last, p.pos0, seq, True)  # seed: reads feed[seq, pos0 - 1], the pending hidden state
+            batch.add(p.id_last, p.pos0 - self.offset[seq], seq, True)  # seed: reads the pending hidden state
             self.rows[seq] = (p.pos0, [p.id_last])
         while active:
             logits, hidden = self._decode(batch)
@@ -185,12 +219,13 @@ class MTPDrafter(Drafter):
         return p.min_length(self.params)
 
     def _catch_up(self, batch: Batch, seqs) -> Batch:
-        """Add the deferred head rows [n_done, processed) of `seqs` to `batch` (after trimming draft scratch)."""
+        """Add the deferred head rows of target positions [n_done, processed) of `seqs` to `batch` (after trimming
+        draft scratch)."""
         for seq in seqs:
-            tokens, start = self.target_cache.tokens[seq], self.n_done[seq]
-            self.ctx.seq_rm(seq, start)
+            tokens, start, offset = self.target_cache.tokens[seq], self.n_done[seq], self.offset[seq]
+            self.ctx.seq_rm(seq, start - offset)
             for pos in range(start, len(tokens)):
-                batch.add(tokens[pos], pos, seq, False)
+                batch.add(tokens[pos], pos - offset, seq, False)
             self.n_done[seq] = len(tokens)
         return batch
 
