@@ -231,9 +231,11 @@ enum : int { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
 // (Q5_0/Q5_1: the 32 high bits qh; Q4_K: the 12 scale bytes as three words), word i of row c at 4 (8 i + c), then
 // the codes in 32-byte runs, each holding 4 consecutive code bytes of every row (row c at 4 c): Q8_0 bytes 4 g ..
 // 4 g + 3 in run g = 0..7; Q4/Q5 qs bytes 4 g .. 4 g + 3 in run g = 0..3 (low nibbles values 4 g + i, high ones
-// 16 + 4 g + i); Q4_K qs bytes 32 j + 4 g .. in run 8 j + g (low nibbles: sub-block 2 j, high: 2 j + 1). One
-// 32-byte load then holds the same 4 (or 8) values of all 8 rows, one row per 32-bit lane, so the products land in
-// one accumulator lane per row: no horizontal sums, and a block's scales are applied to 8 rows per instruction.
+// 16 + 4 g + i). One 32-byte load then holds the same 4 (or 8) values of all 8 rows, one row per 32-bit lane, so
+// the products land in one accumulator lane per row: no horizontal sums, and a block's scales are applied to 8 rows
+// per instruction. Q4_K's codes come in 64-byte runs of 8 bytes per row (row c at 8 c): qs bytes 32 j + 8 g ..
+// 32 j + 8 g + 7 in run 4 j + g (low nibbles: sub-block 2 j, high: 2 j + 1), so that one broadcast of 8 activation
+// bytes serves a whole AVX-512 vector (x8_kernels.h dot_q4k_x8).
 // (Q6_K stays as it is: regrouped the same way it measured slower for one row on Zen 4.)
 constexpr int X8 = 256;
 inline int base_type(int wtype) { return wtype >= X8 ? wtype - X8 : wtype; }
@@ -474,7 +476,7 @@ void dot32_x8_scalar(int R, const uint8_t* w, const ActRows& a, const int64_t* r
 }
 
 // Q4_K X8 groups against Q8_K: out[r * 8 + c] = dot(row c of the group, activation row r). The arithmetic of
-// dot_q4k_x8_avx2 lane by lane (exact integer sums per block, then one fused multiply-add per block), so the two
+// x8_kernels.h dot_q4k_x8 row by row (exact integer sums per block, then one fused multiply-add per block), so the two
 // give the same bits.
 void dot_q4k_x8_scalar(int R, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
     const int64_t K = a.K, nb = K / 256;
@@ -494,7 +496,8 @@ void dot_q4k_x8_scalar(int R, const uint8_t* w, const ActRows& a, const int64_t*
                 for (int j = 0; j < 4; j++) {
                     for (int g = 0; g < 8; g++) {
                         for (int i = 0; i < 4; i++) {
-                            const int v = blk[128 + 256 * j + 32 * g + 4 * c + i];
+                            const int t = 32 * j + 4 * g + i;  // qs byte t of row c: 8-byte unit t / 8 of it
+                            const int v = blk[128 + 64 * (t / 8) + 8 * c + t % 8];
                             const int8_t* y = q + b * 256 + 64 * j + 4 * g + i;
                             sumi += sc[2 * j] * (v & 0xF) * y[0] + sc[2 * j + 1] * (v >> 4) * y[32];
                         }
@@ -855,10 +858,13 @@ constexpr bool VNNI = false;
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // gcc 12 on the AVX-512 intrinsics' own undefined operands
 namespace x8_vnni {
 constexpr bool VNNI = true;
 #include "x8_kernels.h"
 }  // namespace x8_vnni
+#pragma GCC diagnostic pop
 #pragma GCC pop_options
 
 template <int R>
@@ -1244,7 +1250,7 @@ struct Field { int offset, bytes, unit; };
 const std::vector<Field>* x8_fields(int wtype) {
     static const std::vector<Field> q4_0{{0, 2, 2}, {2, 16, 4}}, q4_1{{0, 2, 2}, {2, 2, 2}, {4, 16, 4}},
         q5_0{{0, 2, 2}, {2, 4, 4}, {6, 16, 4}}, q5_1{{0, 2, 2}, {2, 2, 2}, {4, 4, 4}, {8, 16, 4}},
-        q8_0{{0, 2, 2}, {2, 32, 4}}, q4_k{{0, 2, 2}, {2, 2, 2}, {4, 12, 4}, {16, 128, 4}};
+        q8_0{{0, 2, 2}, {2, 32, 4}}, q4_k{{0, 2, 2}, {2, 2, 2}, {4, 12, 4}, {16, 128, 8}};
     switch (wtype) {
         case Q4_0: return &q4_0;
         case Q4_1: return &q4_1;
