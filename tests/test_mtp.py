@@ -147,7 +147,7 @@ def record_drafts(session):
 @pytest.mark.parametrize("n_seq", [1, 4])
 @pytest.mark.parametrize("defer_max", [mtp_drafter.DEFER_MAX, 0])
 def test_drafts_follow_the_shifted_hidden_states(mtp_path, monkeypatch, n_seq, defer_max):
-    """defer_max 0: head rows are decoded in process() itself, verify rows included, and trimmed by accept().
+    """defer_max 0: head rows are decoded in process() itself, up to each verify batch's first row.
     Under reeval rollback every committed head row reads the target's hidden state, as the reference does."""
     monkeypatch.setattr(mtp_drafter, "DEFER_MAX", defer_max)
     session = make_session(mtp_path, "draft-mtp", n_seq=n_seq, mtp_rollback="reeval")
@@ -227,6 +227,26 @@ def test_the_prompts_head_rows_are_decoded_with_the_prompt(mtp_path):
     drafter.draft([p])
     assert sizes == [1, 1] and p.result == reference_draft(drafter.ctx.head, session.engine.target, PROMPTS[0],
                                                            id_last, 2)
+
+
+def test_a_verify_batch_past_its_first_row_waits_for_accept(mtp_path, monkeypatch):
+    """`process` decoding a backlog (more than DEFER_MAX rows) stops at a verify batch's first row: the rows after
+    it hold draft tokens the verify may reject (an n-gram draft of 16), decoded only once accepted."""
+    monkeypatch.setattr(mtp_drafter, "DEFER_MAX", 0)
+    session = make_session(mtp_path, "draft-mtp")
+    session.reset()
+    drafter = session.chain.drafters[-1]
+    id_last = session.generator().start(0, PROMPTS[0], GREEDY, N_PREDICT).tokens[0]
+    pos0 = len(PROMPTS[0])
+    batch = Batch()
+    for i, t in enumerate([id_last, 1, 2, 3]):  # another drafter's draft of three tokens
+        batch.add(t, pos0 + i, 0, True)
+    session.engine.ctx.decode(batch)
+    sizes = head_rows_decoded(drafter)
+    drafter.process(batch)
+    assert sizes == [1] and drafter.n_done[0] == pos0 + 1  # id_last's row only
+    drafter.accept(0, 0, True)  # all three rejected
+    assert drafter.n_done[0] == drafter.ctx.lengths[0] == pos0 + 1 and sizes == [1]
 
 
 @pytest.mark.parametrize("window", [mtp_drafter.RESTART_WINDOW, 3])

@@ -11,7 +11,8 @@ processes the prompt): a short prompt's rows, deferred to the first draft, made 
 (20-26 ms on qwen2.5-coder-1.5b, most of a target forward), paid at every request's first probe.
 After that, head rows are not decoded in `process`: they are deferred (up to DEFER_MAX rows, like llama.cpp) and
 decoded together with the next draft's seed rows, in one head decode; rows of rejected draft tokens are dropped by
-`accept` before they cost anything. A sequence not asked for a draft in IDLE_STEPS target decodes (the adaptive
+`accept` before they cost anything (past DEFER_MAX, `process` decodes the backlog up to the verify batch's first
+row, never the draft rows after it). A sequence not asked for a draft in IDLE_STEPS target decodes (the adaptive
 planner dropped the head) defers all its rows: an unused head costs nothing per step (decoding every committed
 token's row, 64 at a time, kept draft-mtp at 0.96-0.97x of plain on free writing); asked again, `catch_up` decodes
 the backlog from the target hidden states kept in the feed, outside the drafting time the planner prices per token,
@@ -109,7 +110,9 @@ class MTPDrafter(Drafter):
                           hidden)
         active = [seq for seq, idle in enumerate(self.idle) if idle <= IDLE_STEPS]
         if sum(self._backlog(seq) for seq in active) > DEFER_MAX:
-            self._decode(self._catch_up(Batch(), active))
+            # not past a batch's first row: the rest may be draft tokens the verify rejects (a 17-row ngram draft)
+            until = {seq: self.target_cache.batch_pos0[seq] + 1 for seq in dict.fromkeys(batch.seq_ids)}
+            self._decode(self._catch_up(Batch(), active, until))
 
     def catch_up(self, params: list[DraftParams]) -> None:
         """Called by the chain before `draft`: the backlog of a sequence that was idle (from a window of the last
@@ -218,15 +221,16 @@ class MTPDrafter(Drafter):
     def min_length(self, p: DraftParams) -> int:
         return p.min_length(self.params)
 
-    def _catch_up(self, batch: Batch, seqs) -> Batch:
+    def _catch_up(self, batch: Batch, seqs, until: dict[int, int] | None = None) -> Batch:
         """Add the deferred head rows of target positions [n_done, processed) of `seqs` to `batch` (after trimming
-        draft scratch)."""
+        draft scratch), or only up to `until[seq]` where given."""
         for seq in seqs:
             tokens, start, offset = self.target_cache.tokens[seq], self.n_done[seq], self.offset[seq]
+            end = min(len(tokens), (until or {}).get(seq, len(tokens)))
             self.ctx.seq_rm(seq, start - offset)
-            for pos in range(start, len(tokens)):
+            for pos in range(start, end):
                 batch.add(tokens[pos], pos - offset, seq, False)
-            self.n_done[seq] = len(tokens)
+            self.n_done[seq] = max(start, end)
         return batch
 
     def _decode(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
