@@ -178,6 +178,30 @@ def test_a_short_lag_is_decoded_with_the_seed_row_and_a_long_one_caught_up_apart
     assert 2 <= sizes[0] <= 4  # those rows and the seed row, one decode
 
 
+def test_process_catches_up_settled_rows_only(tiny_model_path, monkeypatch):
+    """`process` catching a draft cache up (more than DEFER_MAX rows behind) stops at a target batch's first row with
+    logits: a prompt's rows are all settled, a verify batch's rows after id_last hold another drafter's tokens the
+    target may still reject."""
+    from spec_cli.batch import Batch
+    from spec_cli.context import Context
+    from spec_cli.loader import load_model
+
+    monkeypatch.setattr(draft_model, "DEFER_MAX", 0)
+    ctx = Context(load_model(tiny_model_path, device="cpu"), n_ctx=256)
+    drafter = draft_model.DraftModelDrafter(ctx, SpecParams(draft_max=2, draft_p_min=0.0), 1)
+    prompt = list(range(40, 70))
+    batch = Batch()
+    for i, t in enumerate(prompt):
+        batch.add(t, i, 0, i == len(prompt) - 1)
+    drafter.process(batch)
+    assert ctx.lengths[0] == len(prompt)
+    verify = Batch()
+    for i, t in enumerate([5, 6, 7, 8]):  # id_last and a 3-token draft
+        verify.add(t, len(prompt) + i, 0, True)
+    drafter.process(verify)
+    assert ctx.lengths[0] == len(prompt) + 1
+
+
 def test_an_idle_draft_model_is_not_prefilled_and_restarts_from_a_window(tiny_model_path, monkeypatch):
     """A sequence not asked for drafts stops being prefilled; asked again far behind, its draft cache restarts from
     the last RESTART_WINDOW committed tokens, and drafting goes on from there at shifted draft positions."""

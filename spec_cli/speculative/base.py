@@ -133,6 +133,9 @@ class TargetCache:
     def __init__(self, n_seq: int) -> None:
         self.tokens: list[list[int]] = [[] for _ in range(n_seq)]
         self.batch_pos0 = [0] * n_seq  # first position of each sequence's rows in the last batch recorded
+        # end of the settled rows of that batch: up to its first row with logits (id_last of a verify batch, a
+        # prompt's last row); rows after it hold drafted tokens the target has not decided yet
+        self.settled = [0] * n_seq
 
     def record(self, batch: Batch) -> dict[int, int | None]:
         """Mirror a target batch. Per sequence in it: the first position of its rows, or None where they start past
@@ -148,5 +151,7 @@ class TargetCache:
             del known[p0:]
             known.extend(batch.tokens[i] for i in rows)
             self.batch_pos0[seq] = p0
+            flagged = next((batch.pos[i] for i in rows if batch.logits[i]), batch.pos[rows[-1]])
+            self.settled[seq] = flagged + 1
             starts[seq] = p0
         return starts

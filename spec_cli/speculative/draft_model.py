@@ -4,8 +4,9 @@ The draft context follows the target's KV position for position, lazily: `proces
 tokens, and `draft` decodes what the draft cache lacks (positions past the common prefix of its tokens and the
 committed history: rejected draft tokens are replaced, accepted ones were decoded while drafting) in one batch with
 id_last for every drafting sequence, so a verify step usually costs the draft nothing. A sequence more than
-DEFER_MAX positions behind (a prompt) is caught up by `process` itself, in one batch. A sequence the adaptive
-planner stopped asking (IDLE_STEPS target decodes without a draft) is not prefilled at all; when it is asked again
+DEFER_MAX positions behind (a prompt) is caught up by `process` itself, in one batch, as far as the target's rows
+are settled (TargetCache.settled: never a verify batch's draft rows, which the target may reject). A sequence the
+adaptive planner stopped asking (IDLE_STEPS target decodes without a draft) is not prefilled at all; asked again
 (a probe) more than RESTART_WINDOW rows behind, its draft cache restarts from the last RESTART_WINDOW committed
 tokens at draft position 0 (`offset` maps target to draft positions; rope only sees relative positions), so an
 unused draft model costs a window per probe instead of a prefill of every token.
@@ -100,7 +101,8 @@ class DraftModelDrafter(Drafter):
             known = self.target_cache.tokens[seq]
             self.idle[seq] += 1
             if self.idle[seq] <= IDLE_STEPS and self._lag(seq, known) > DEFER_MAX:
-                self._add_catch_up(late, seq, known, len(known), seed=False)
+                # settled rows only: a verify batch's draft rows may be rejected (TargetCache.settled)
+                self._add_catch_up(late, seq, known, self.target_cache.settled[seq], seed=False)
         if len(late):
             self._decode(late)
 

@@ -12,7 +12,7 @@ processes the prompt): a short prompt's rows, deferred to the first draft, made 
 After that, head rows are not decoded in `process`: they are deferred (up to DEFER_MAX rows, like llama.cpp) and
 decoded together with the next draft's seed rows, in one head decode; rows of rejected draft tokens are dropped by
 `accept` before they cost anything (past DEFER_MAX, `process` decodes the backlog up to the verify batch's first
-row, never the draft rows after it). A sequence not asked for a draft in IDLE_STEPS target decodes (the adaptive
+row, never the draft rows after it: TargetCache.settled). A sequence not asked for a draft in IDLE_STEPS target decodes (the adaptive
 planner dropped the head) defers all its rows: an unused head costs nothing per step (decoding every committed
 token's row, 64 at a time, kept draft-mtp at 0.96-0.97x of plain on free writing); asked again, `catch_up` decodes
 the backlog from the target hidden states kept in the feed, outside the drafting time the planner prices per token,
@@ -110,8 +110,8 @@ class MTPDrafter(Drafter):
                           hidden)
         active = [seq for seq, idle in enumerate(self.idle) if idle <= IDLE_STEPS]
         if sum(self._backlog(seq) for seq in active) > DEFER_MAX:
-            # not past a batch's first row: the rest may be draft tokens the verify rejects (a 17-row ngram draft)
-            until = {seq: self.target_cache.batch_pos0[seq] + 1 for seq in dict.fromkeys(batch.seq_ids)}
+            # settled rows only: the rest may be draft tokens the verify rejects (a 17-row ngram draft)
+            until = {seq: self.target_cache.settled[seq] for seq in dict.fromkeys(batch.seq_ids)}
             self._decode(self._catch_up(Batch(), active, until))
 
     def catch_up(self, params: list[DraftParams]) -> None:
