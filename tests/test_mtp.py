@@ -283,6 +283,38 @@ def test_an_unused_head_decodes_nothing_and_catches_up_exactly_when_asked_again(
                          for prompt, id_last, drafted in calls)
 
 
+def test_a_cached_prefix_shorter_than_the_window_restarts_the_head_at_its_end(mtp_path, plain_outputs, monkeypatch):
+    """A restarted head's feed holds no hidden states before its window: a next request on the sequence whose cached
+    prefix ends before the window restarts the head where the prefix ends (its first row reading none), so its drafts
+    are a from-scratch head's over the rows from there, and the output is plain's."""
+    monkeypatch.setattr(mtp_drafter, "RESTART_WINDOW", 3)
+    session = make_session(mtp_path, "draft-mtp", mtp_rollback="reeval")
+    session.reset()
+    drafter = session.chain.drafters[-1]
+    gen = session.generator()
+    gen.start(0, PROMPTS[0], GREEDY, N_PREDICT, SpecOverrides(types=set()))
+    s = gen.active[0]
+    while s.n_generated < N_PREDICT // 2:
+        gen.step()
+    s.spec.types = None
+    while not s.done:
+        gen.step()
+    gen.finish(0)
+    n_cached = 5
+    assert drafter.offset[0] > n_cached  # restarted from a window past the prefix the next request reuses
+    prompt = PROMPTS[0][:n_cached] + PROMPTS[1]
+    calls = record_drafts(session)
+    out = list(gen.start(0, prompt, GREEDY, N_PREDICT, n_cached=n_cached).tokens)
+    assert drafter.offset[0] == n_cached
+    while emitted := gen.step():
+        out += [t for e in emitted for t in e.tokens]
+    plain = make_session(mtp_path)
+    assert out == run_all(plain, [prompt])[0]
+    head, lm = drafter.ctx.head, session.engine.target
+    assert calls and all(drafted == reference_draft(head, lm, p, id_last, len(drafted), start=n_cached)
+                         for p, id_last, drafted in calls)
+
+
 # --- losslessness -------------------------------------------------------------------------------------------
 
 

@@ -12,15 +12,15 @@ processes the prompt): a short prompt's rows, deferred to the first draft, made 
 After that, head rows are not decoded in `process`: they are deferred (up to DEFER_MAX rows, like llama.cpp) and
 decoded together with the next draft's seed rows, in one head decode; rows of rejected draft tokens are dropped by
 `accept` before they cost anything (past DEFER_MAX, `process` decodes the backlog up to the verify batch's first
-row, never the draft rows after it: TargetCache.settled). A sequence not asked for a draft in IDLE_STEPS target decodes (the adaptive
-planner dropped the head) defers all its rows: an unused head costs nothing per step (decoding every committed
-token's row, 64 at a time, kept draft-mtp at 0.96-0.97x of plain on free writing); asked again, `catch_up` decodes
-the backlog from the target hidden states kept in the feed, outside the drafting time the planner prices per token,
-and more than RESTART_WINDOW rows behind it restarts the head's KV from the last RESTART_WINDOW committed positions
-(as draft-simple restarts its cache), so a probe after a long idle stretch costs a window, not the whole stretch.
-Head positions are target positions minus `offset[seq]` (the target position of the window's first row; 0 until a
-restart); the feed is indexed by head position. The window's first row reads no hidden state (as position 0 does):
-the head's drafts change, not the output (the target verifies every token).
+row, never the draft rows after it: TargetCache.settled). A sequence not asked for a draft in IDLE_STEPS target
+decodes (the adaptive planner dropped the head) defers all its rows: an unused head costs nothing per step
+(decoding every committed token's row, 64 at a time, kept draft-mtp at 0.96-0.97x of plain on free writing); asked
+again, `catch_up` decodes the backlog from the target hidden states kept in the feed, outside the drafting time the
+planner prices per token, and more than RESTART_WINDOW rows behind it restarts the head's KV from the last
+RESTART_WINDOW committed positions (as draft-simple restarts its cache), so a probe after a long idle stretch costs
+a window, not the whole stretch. Head positions are target positions minus `offset[seq]` (the target position of
+the window's first row; 0 until a restart); the feed is indexed by head position. The window's first row reads no
+hidden state (as position 0 does): the head's drafts change, not the output (the target verifies every token).
 `n_done[seq]` = target positions [offset, n_done) whose head rows are final (built from committed tokens and target
 hidden states); everything past it in the head KV is draft scratch, trimmed before the next decode.
 
@@ -102,8 +102,11 @@ class MTPDrafter(Drafter):
                 continue
             if p0 == 0:
                 self.lost.discard(seq)
-            if p0 < self.offset[seq]:  # the target went back before the window: the head starts over at 0
-                self.offset[seq] = self.n_done[seq] = 0
+            if p0 < self.offset[seq]:
+                # the target went back before the window (a cached prompt prefix): the feed no longer holds the hidden
+                # states before it, so the head restarts at p0, its first row reading none (as position 0)
+                self.ctx.seq_rm(seq, 0)
+                self.offset[seq] = self.n_done[seq] = p0
             self.n_done[seq] = min(self.n_done[seq], p0)
             self.idle[seq] += 1
         self.ctx.set_feed(batch.seq_ids, [pos - self.offset[seq] for pos, seq in zip(batch.pos, batch.seq_ids)],
