@@ -236,8 +236,8 @@ def test_weights_past_a_huge_page_live_in_aligned_buffers_and_multiply_alike(qty
     assert torch.equal(plain(x), y)
 
 
-@pytest.mark.parametrize("qtype", sorted(kernels.PACKED_TYPES), ids=lambda t: t.name)
-def test_vnni_and_avx2_packed_products_give_the_same_bits(qtype):
+@pytest.mark.parametrize("qtype", sorted(kernels.PACKED_TYPES | {T.Q6_K}), ids=lambda t: t.name)
+def test_vnni_and_avx2_products_give_the_same_bits(qtype):
     if not kernels.has_vnni():
         pytest.skip("this CPU has no AVX-512 VNNI")
     raw, _ = make_weight(qtype, (N, K), seed=13)

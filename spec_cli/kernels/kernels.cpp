@@ -601,64 +601,6 @@ SC_AVX2 void dot_q45k_avx2(const uint8_t* w, const ActRows& a, const int64_t* ro
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) - hsum4(accm[r]);
 }
 
-// Q6_K against Q8_K: unsigned 6-bit codes v (value = v - 32), int8 scale per 16 values
-template <int R>
-SC_AVX2 void dot_q6k_avx2(const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
-    const int64_t K = a.K, nb = K / 256;
-    __m256 acc[R], accm[R];
-    const int8_t* q[R];
-    const float* d[R];
-    const int16_t* bsum[R];
-    for (int r = 0; r < R; r++) {
-        acc[r] = _mm256_setzero_ps();
-        accm[r] = _mm256_setzero_ps();
-        q[r] = a.q + rows[r] * K;
-        d[r] = a.d + rows[r] * nb;
-        bsum[r] = a.isum + rows[r] * nb * 24;  // the per-16 sums of block 0
-    }
-    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(0x30);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t* blk = w + b * 210;
-        const int8_t* sc = (const int8_t*)(blk + 192);
-        const float dw = h2f_avx2(blk + 208);
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)sc));  // 16 x int16
-        __m256i sumi[R];
-        for (int r = 0; r < R; r++) sumi[r] = _mm256_setzero_si256();
-        for (int half = 0; half < 2; half++) {
-            // this half's 8 scales as int16 in both 128-bit lanes: group g's pair is picked by one byte shuffle
-            const __m256i sc_half = half ? _mm256_permute2x128_si256(sc16, sc16, 0x11)
-                                         : _mm256_permute2x128_si256(sc16, sc16, 0x00);
-            const uint8_t* ql = blk + 64 * half;
-            const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * half));
-            const __m256i l0 = _mm256_loadu_si256((const __m256i*)ql);
-            const __m256i l1 = _mm256_loadu_si256((const __m256i*)(ql + 32));
-            __m256i v[4];
-            v[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m2));
-            v[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m2));
-            v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m2));
-            v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                   _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2));
-            for (int g = 0; g < 4; g++) {  // 32 values with scales s[2g] (first 16) and s[2g + 1] (last 16)
-                const __m128i pick_lo = _mm_set1_epi16((short)(0x0100 + 0x0202 * (2 * g)));  // bytes of s[2g]
-                const __m128i pick_hi = _mm_set1_epi16((short)(0x0100 + 0x0202 * (2 * g + 1)));
-                const __m256i scv = _mm256_shuffle_epi8(sc_half, _mm256_set_m128i(pick_hi, pick_lo));
-                for (int r = 0; r < R; r++) {
-                    const int8_t* y = q[r] + b * 256 + 128 * half + 32 * g;
-                    const __m256i p = _mm256_maddubs_epi16(v[g], _mm256_loadu_si256((const __m256i*)y));
-                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p, scv));
-                }
-            }
-        }
-        for (int r = 0; r < R; r++) {
-            const float da = d[r][b];
-            // the -32 offset of every code: 32 * sum over the 16 groups of scale * sum of the group's codes
-            const __m256i pm = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i*)(bsum[r] + b * 24)));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * da), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
-            accm[r] = _mm256_fmadd_ps(_mm256_set1_ps(32 * dw * da), _mm256_cvtepi32_ps(pm), accm[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) - hsum8(accm[r]);
-}
 
 // float weights (F32, F16) against float rows
 template <int R, int W>
@@ -737,11 +679,30 @@ SC_AVX2 void attend_avx2(const float* q, const float* keys, const float* vals, i
     }
 }
 
+// the products compiled once per instruction set (x8_kernels.h)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace x8_avx2 {
+constexpr bool VNNI = false;
+#include "x8_kernels.h"
+}  // namespace x8_avx2
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // gcc 12 on the AVX-512 intrinsics' own undefined operands
+namespace x8_vnni {
+constexpr bool VNNI = true;
+#include "x8_kernels.h"
+}  // namespace x8_vnni
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+
 template <int R>
 SC_AVX2 void dot_avx2(int wtype, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
     switch (wtype) {
         case Q5_K: return dot_q45k_avx2<R, Q5_K>(w, a, rows, out);
-        case Q6_K: return dot_q6k_avx2<R>(w, a, rows, out);
+        case Q6_K: return g_use_vnni ? x8_vnni::dot_q6k<R>(w, a, rows, out) : x8_avx2::dot_q6k<R>(w, a, rows, out);
         case F32: return dot_float_avx2<R, F32>(w, a, rows, out);
         case F16: return dot_float_avx2<R, F16>(w, a, rows, out);
     }
@@ -849,23 +810,6 @@ void dot_rows(int R, int wtype, const uint8_t* w, const ActRows& a, const int64_
 int x8_max_rows() { return g_use_vnni ? 8 : 4; }
 
 #if SC_X86
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-namespace x8_avx2 {
-constexpr bool VNNI = false;
-#include "x8_kernels.h"
-}  // namespace x8_avx2
-#pragma GCC pop_options
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // gcc 12 on the AVX-512 intrinsics' own undefined operands
-namespace x8_vnni {
-constexpr bool VNNI = true;
-#include "x8_kernels.h"
-}  // namespace x8_vnni
-#pragma GCC diagnostic pop
-#pragma GCC pop_options
 
 template <int R>
 void dot_x8_simd(int wtype, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {

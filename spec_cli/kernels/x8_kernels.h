@@ -1,6 +1,7 @@
-// The products with rows packed 8 at a time (kernels.cpp X8), for one instruction set: included by kernels.cpp
-// once per set, inside a namespace and a `#pragma GCC target` region, with VNNI true where the AVX-512 VNNI
-// instruction vpdpbusd (bytes times bytes summed in 32-bit lanes) replaces AVX2's vpmaddubsw + vpmaddwd pairs.
+// The products with rows packed 8 at a time (kernels.cpp X8), and Q6_K's, for one instruction set: included by
+// kernels.cpp once per set, inside a namespace and a `#pragma GCC target` region, with VNNI true where the AVX-512
+// VNNI instructions vpdpbusd (bytes times bytes summed in 32-bit lanes) and vpdpwssd (int16 pairs likewise) replace
+// AVX2's vpmaddubsw + vpmaddwd pairs and vpmaddwd + vpaddd.
 // Every sum is an exact integer sum, so both sets give the same bits (and the same as the scalar twins).
 
 // acc + in each 32-bit lane the sum of the 4 products of unsigned bytes u and signed bytes y (AVX2: the pairs'
@@ -120,8 +121,9 @@ inline __m256i lane_byte(__m256i v, int s) {
 // zmm one (64 products) every 0.55 ns alone and 0.60 ns with an 8-byte broadcast each. A 62 MB Q4_K matrix, one
 // thread: 1 / 4 / 8 activation rows 1.9-2.2 / 4.5-6.1 / 9.5-10.1 ms before, 1.7-1.8 / 3.8 / 8.4 ms with 8-byte runs.
 // A lane's byte products within a sub-block (16 of them) add up exactly in int16 (16 x 15 x 128 < 2^15), then
-// one vpmaddwd by the row's sub-block scale; the lane pairs meet at the end of the block, and the block's integer
-// sum meets the float scales once. Integer sums are exact, so every form gives the bits of the scalar twin.
+// one multiply by the row's sub-block scale (vpmaddwd; VNNI: vpdpwssd, adding it in); the lane pairs meet at the
+// end of the block, and the block's integer sum meets the float scales once. Integer sums are exact, so every form
+// gives the bits of the scalar twin.
 template <int R>
 void dot_q4k_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
     const int64_t K = a.K, nb = K / 256;
@@ -181,8 +183,7 @@ void dot_q4k_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* 
                         p_lo = _mm512_dpbusd_epi32(p_lo, lo[g], _mm512_set1_epi64(y_lo));
                         p_hi = _mm512_dpbusd_epi32(p_hi, hi[g], _mm512_set1_epi64(y_hi));
                     }
-                    sum2[r] = _mm512_add_epi32(sum2[r], _mm512_add_epi32(_mm512_madd_epi16(p_lo, s_lo),
-                                                                         _mm512_madd_epi16(p_hi, s_hi)));
+                    sum2[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(sum2[r], p_lo, s_lo), p_hi, s_hi);
                 }
             }
             for (int r = 0; r < R; r++) {  // lane 2c + lane 2c + 1, in the low half of each 64-bit lane
@@ -250,6 +251,68 @@ void dot_q4k_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* 
         }
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, _mm256_sub_ps(acc[r], accm[r]));
+}
+
+// Q6_K rows (as the file has them: not packed) against Q8_K: unsigned 6-bit codes v (value = v - 32), an int8
+// scale per 16 values. Per 32 values and activation row: vpmaddubsw, then the int16 pairs times their scales summed
+// into the row's int32 lanes: vpmaddwd + vpaddd with AVX2, one vpdpwssd with VNNI (the same exact integer sums).
+template <int R>
+void dot_q6k(const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
+    const int64_t K = a.K, nb = K / 256;
+    __m256 acc[R], accm[R];
+    const int8_t* q[R];
+    const float* d[R];
+    const int16_t* bsum[R];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        accm[r] = _mm256_setzero_ps();
+        q[r] = a.q + rows[r] * K;
+        d[r] = a.d + rows[r] * nb;
+        bsum[r] = a.isum + rows[r] * nb * 24;  // the per-16 sums of block 0
+    }
+    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(0x30);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = w + b * 210;
+        const int8_t* sc = (const int8_t*)(blk + 192);
+        const float dw = h2f_avx2(blk + 208);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)sc));  // 16 x int16
+        __m256i sumi[R];
+        for (int r = 0; r < R; r++) sumi[r] = _mm256_setzero_si256();
+        for (int half = 0; half < 2; half++) {
+            // this half's 8 scales as int16 in both 128-bit lanes: group g's pair is picked by one byte shuffle
+            const __m256i sc_half = half ? _mm256_permute2x128_si256(sc16, sc16, 0x11)
+                                         : _mm256_permute2x128_si256(sc16, sc16, 0x00);
+            const uint8_t* ql = blk + 64 * half;
+            const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * half));
+            const __m256i l0 = _mm256_loadu_si256((const __m256i*)ql);
+            const __m256i l1 = _mm256_loadu_si256((const __m256i*)(ql + 32));
+            __m256i v[4];
+            v[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m2));
+            v[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m2));
+            v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m2));
+            v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                   _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2));
+            for (int g = 0; g < 4; g++) {  // 32 values with scales s[2g] (first 16) and s[2g + 1] (last 16)
+                const __m128i pick_lo = _mm_set1_epi16((short)(0x0100 + 0x0202 * (2 * g)));  // bytes of s[2g]
+                const __m128i pick_hi = _mm_set1_epi16((short)(0x0100 + 0x0202 * (2 * g + 1)));
+                const __m256i scv = _mm256_shuffle_epi8(sc_half, _mm256_set_m128i(pick_hi, pick_lo));
+                for (int r = 0; r < R; r++) {
+                    const int8_t* y = q[r] + b * 256 + 128 * half + 32 * g;
+                    const __m256i p = _mm256_maddubs_epi16(v[g], _mm256_loadu_si256((const __m256i*)y));
+                    if constexpr (VNNI) sumi[r] = _mm256_dpwssd_epi32(sumi[r], p, scv);
+                    else sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p, scv));
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const float da = d[r][b];
+            // the -32 offset of every code: 32 * sum over the 16 groups of scale * sum of the group's codes
+            const __m256i pm = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i*)(bsum[r] + b * 24)));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * da), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+            accm[r] = _mm256_fmadd_ps(_mm256_set1_ps(32 * dw * da), _mm256_cvtepi32_ps(pm), accm[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) - hsum8(accm[r]);
 }
 
 template <int R>
