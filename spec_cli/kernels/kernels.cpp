@@ -601,7 +601,6 @@ SC_AVX2 void dot_q45k_avx2(const uint8_t* w, const ActRows& a, const int64_t* ro
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) - hsum4(accm[r]);
 }
 
-
 // float weights (F32, F16) against float rows
 template <int R, int W>
 SC_AVX2 void dot_float_avx2(const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
@@ -810,7 +809,6 @@ void dot_rows(int R, int wtype, const uint8_t* w, const ActRows& a, const int64_
 int x8_max_rows() { return g_use_vnni ? 8 : 4; }
 
 #if SC_X86
-
 template <int R>
 void dot_x8_simd(int wtype, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
     if (g_use_vnni) return x8_vnni::dot_x8<R>(wtype, w, a, rows, out);
