@@ -7,7 +7,7 @@
 #   there:         bash scripts/cuda_check.sh bandwidth tests bench profile host llamacpp
 # Installs the carried wheels and spec-cli (no dependencies), then the steps named: tests (the suite on CUDA;
 # real-model tests deselected: their files come from PyPI), bench (plain decode eager vs CUDA graphs and the verify
-# cost of a 1.5b-shaped F16 model: scripts/shaped_gguf.py), compile-tests (tests/test_compile.py alone, its CUDA
+# cost of a 1.5b-shaped F16 model: scripts/shaped_gguf.py; verify: the compiled curve alone), compile-tests (tests/test_compile.py alone, its CUDA
 # cases included), profile (scripts/cuda_profile.py on that model, CUDA graphs and eager), host (its --host:
 # cProfile of the host's side of a CUDA-graph step), llamacpp (llama-bench
 # built for CUDA, sm_90, on the same model). Logs go to $OUT (the device tool brings them back).
@@ -79,6 +79,10 @@ EOF
         || { tail -5 "$OUT/llamacpp-build.log"; echo "build stopped after $(( $(date +%s) - start )) s"; exit 1; }
       echo "llama-bench built in $(( $(date +%s) - start )) s"; wait $writer
       /tmp/lb/bin/llama-bench -m /tmp/m/q15.gguf -ngl 99 -p 0 -n 128 -r 3 -o md 2>&1 | tee "$OUT/llamacpp-bench.md" ;;
+    verify)  # the verify-cost curve under CUDA graphs alone (k = 1..16 rows; eager's is in the bench step)
+      shaped
+      timeout 200 spec-cli bench -m /tmp/m/q15.gguf -p 0 -n 0 --verify-cost 16 --compile on -r 3 -o md 2>&1 \
+        | tee "$OUT/verify-on.md" ;;
     decode)  # ours beside llama-bench on the same warm machine: plain decode under CUDA graphs
       shaped
       spec-cli bench -m /tmp/m/q15.gguf -p 0 -n 128 --compile on -r 3 -o md 2>&1 | tee "$OUT/decode.md" ;;

@@ -50,7 +50,9 @@ class Context:
         self.n_ubatch = max(1, min(n_ubatch, self.n_batch))
         cfg = self.config
         kv_dtype = self.model.dtype
-        shape = (n_seq, cfg.n_head_kv, self.n_ctx_seq, cfg.head_dim)
+        # one spare cell past each sequence's context: where a CUDA graph's padded rows write when a step fills
+        # the sequence (cuda_graphs.py); nothing attends it
+        shape = (n_seq, cfg.n_head_kv, self.n_ctx_seq + 1, cfg.head_dim)
         self.kv = [
             (torch.zeros(shape, dtype=kv_dtype, device=dev), torch.zeros(shape, dtype=kv_dtype, device=dev))
             for dev in self.model.layer_devices
@@ -194,8 +196,7 @@ class Context:
             n_kv = kv_bucket(n_kv, self.n_ctx_seq)
             seqs = seqs + [seqs[0]] * (G - len(seqs))
         order = [flat_of_row[i] for i in rows]
-        # a graph's padded rows write the cell after their sequence's last row: none past the context's end
-        if pad and self.graphs is not None and max(self.lengths[s] for s in seqs) < self.n_ctx_seq:
+        if pad and self.graphs is not None:
             flagged = [flat_of_row[i] for i in rows if batch.logits[i]]
             return self.graphs.run(G, T, n_kv, tokens, positions, seqs, {s: self.lengths[s] for s in seqs}, order,
                                    flagged, with_logits and bool(flagged))

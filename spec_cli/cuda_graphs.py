@@ -14,9 +14,9 @@ fixed addresses: every index of the step comes through the buffer, the KV cache 
 reallocated) and the rope tables it gathers from are kept alive by the graph's owner.
 
 Padded rows write their keys and values to the cell right after their sequence's last row of the step: every
-real row of the step comes before it (no real row attends it) and the sequence's next row overwrites it, so a
-static write list needs no spare cells. A step that fills a sequence's context to its end has no such cell and
-runs without a graph (Context decides).
+real row of the step comes before it (no real row attends it) and the sequence's next row overwrites it. A step
+that fills a sequence's context writes them to the spare cell the KV cache keeps past each context (Context), so
+every step of a bucket's shape replays its graph (a graphless step cost 7x a replay on an H100).
 """
 
 from __future__ import annotations

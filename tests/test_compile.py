@@ -134,21 +134,31 @@ def test_bucket_padding_keeps_the_quantized_logits(q_model):
 def test_cuda_graph_step_layout_keeps_the_logits(tiny_model_path):
     """cuda_graphs.StepGraphs run without capture on the CPU (float weights: the torch ops a CUDA graph replays):
     the static index buffer, padded rows writing the cell after their sequence's last row, the logits computed in
-    the step for every padded row and gathered, and the graphless fallback for a step that reaches the context's
-    end (sequence 0's last rows) give each sequence's eager logits (up to float sums over padded shapes)."""
+    the step for every padded row and gathered, and a step that fills a sequence's context (sequence 0's last rows:
+    its padded rows write the spare cell) give each sequence's eager logits (up to float sums over padded shapes)."""
     from spec_cli import compiled
     from spec_cli.compiled import CompiledStep
     from spec_cli.cuda_graphs import StepGraphs
 
     lm = load_model(tiny_model_path, device="cpu", dtype="f32")
     refs = [one_row_at_a_time(lm, p + [1, 2, 3, 4]) for p in PROMPTS]
-    ctx = Context(lm, n_ctx=4 * 16, n_seq=4)  # 16 cells per sequence: sequence 0 fills its own
-    ctx.step = CompiledStep("tiny", cuda=False, pad=True)
-    ctx.step._fn = compiled._layers  # the step's layout is under test, not inductor (a compile per shape)
-    ctx.graphs = StepGraphs(ctx, capture=False)
+
+    def graph_context(n_ctx: int, n_seq: int) -> Context:
+        ctx = Context(lm, n_ctx=n_ctx, n_seq=n_seq)
+        ctx.step = CompiledStep("tiny", cuda=False, pad=True)
+        ctx.step._fn = compiled._layers  # the step's layout is under test, not inductor (a compile per shape)
+        ctx.graphs = StepGraphs(ctx, capture=False)
+        return ctx
+
+    ctx = graph_context(4 * 16, 4)  # 16 cells per sequence: sequence 0 fills its own
     for seq, logits in enumerate(four_sequences_in_verify_batches(ctx)):
         torch.testing.assert_close(logits, refs[seq], rtol=1e-4, atol=1e-4, msg=f"sequence {seq}")
     assert (4, 8) in ctx.graphs.buffers and ctx.graphs.logits  # 3 groups of 5 rows: padded to 4 x 8
+    # a step that fills the context with a padded row: 13 rows, then 3 padded to 4 (the 4th writes the spare cell)
+    ctx, full = graph_context(16, 1), PROMPTS[0] + [1, 2, 3, 4]
+    got = torch.cat([ctx.decode(rows(full[:13])).logits, ctx.decode(rows(full[13:], start=13)).logits])
+    torch.testing.assert_close(got, refs[0], rtol=1e-4, atol=1e-4)
+    assert (1, 4) in ctx.graphs.buffers
 
 
 def test_float_path_compiled_logits_are_bit_identical(tiny_model_path):
