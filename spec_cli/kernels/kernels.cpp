@@ -881,6 +881,7 @@ ActRows quantize_rows(int kind, const float* x, int64_t M, int64_t K, ActBuffers
 
 constexpr int64_t ROW_TILE = 64;  // activation rows kept in cache while a chunk of weight rows passes over them
 constexpr int MAX_R = 8;  // activation rows multiplied with one weight row per pass (its unpacking is shared)
+constexpr int Q6K_MAX_R = 4;  // Q6_K's (x8_kernels.h dot_q6k)
 
 }  // namespace
 
@@ -971,7 +972,7 @@ int sc_linear(const ScLinear* w, const float* x, int64_t M, float* y, int64_t ld
                 const bool x8 = wt >= X8;
                 const int64_t first = x8 ? col0[seg] + (n - col0[seg]) / 8 * 8 : n;
                 const int64_t end = x8 ? std::min({n1, first + 8, col0[seg + 1]}) : n + 1;
-                const int width = x8 ? 8 : 1, max_r = x8 ? x8_max_rows() : MAX_R;
+                const int width = x8 ? 8 : 1, max_r = x8 ? x8_max_rows() : (wt == Q6_K ? Q6K_MAX_R : MAX_R);
                 const uint8_t* w_at = (const uint8_t*)weights[seg] + (first - col0[seg]) * seg_bytes[seg];
                 for (int64_t m = m0; m < m1; m += max_r) {
                     const int R = (int)std::min<int64_t>(max_r, m1 - m);

@@ -256,16 +256,19 @@ void dot_q4k_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* 
 // Q6_K rows (as the file has them: not packed) against Q8_K: unsigned 6-bit codes v (value = v - 32), an int8
 // scale per 16 values. Per 32 values and activation row: vpmaddubsw, then the int16 pairs times their scales summed
 // into the row's int32 lanes: vpmaddwd + vpaddd with AVX2, one vpdpwssd with VNNI (the same exact integer sums).
-template <int R>
+// The codes' -32 offset comes off that integer sum, so a block meets the float scales once. A row has A
+// accumulators in turn (4 for one row, 2 for two): one chain of dependent vpdpwssd per row left one or two rows
+// waiting on its latency. At most 4 rows per call (sc_linear): 8 at once ran out of registers (one thread, an 84 MB
+// matrix: 22 ms for 8 rows, 8.3 for 4).
+template <int R, int A = (R >= 4 ? 1 : 4 / R)>
 void dot_q6k(const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
     const int64_t K = a.K, nb = K / 256;
-    __m256 acc[R], accm[R];
+    __m256 acc[R];
     const int8_t* q[R];
     const float* d[R];
     const int16_t* bsum[R];
     for (int r = 0; r < R; r++) {
         acc[r] = _mm256_setzero_ps();
-        accm[r] = _mm256_setzero_ps();
         q[r] = a.q + rows[r] * K;
         d[r] = a.d + rows[r] * nb;
         bsum[r] = a.isum + rows[r] * nb * 24;  // the per-16 sums of block 0
@@ -276,8 +279,9 @@ void dot_q6k(const uint8_t* w, const ActRows& a, const int64_t* rows, float* out
         const int8_t* sc = (const int8_t*)(blk + 192);
         const float dw = h2f_avx2(blk + 208);
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)sc));  // 16 x int16
-        __m256i sumi[R];
-        for (int r = 0; r < R; r++) sumi[r] = _mm256_setzero_si256();
+        __m256i sumi[R][A];
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < A; i++) sumi[r][i] = _mm256_setzero_si256();
         for (int half = 0; half < 2; half++) {
             // this half's 8 scales as int16 in both 128-bit lanes: group g's pair is picked by one byte shuffle
             const __m256i sc_half = half ? _mm256_permute2x128_si256(sc16, sc16, 0x11)
@@ -299,20 +303,21 @@ void dot_q6k(const uint8_t* w, const ActRows& a, const int64_t* rows, float* out
                 for (int r = 0; r < R; r++) {
                     const int8_t* y = q[r] + b * 256 + 128 * half + 32 * g;
                     const __m256i p = _mm256_maddubs_epi16(v[g], _mm256_loadu_si256((const __m256i*)y));
-                    if constexpr (VNNI) sumi[r] = _mm256_dpwssd_epi32(sumi[r], p, scv);
-                    else sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p, scv));
+                    __m256i& s = sumi[r][g % A];
+                    if constexpr (VNNI) s = _mm256_dpwssd_epi32(s, p, scv);
+                    else s = _mm256_add_epi32(s, _mm256_madd_epi16(p, scv));
                 }
             }
         }
         for (int r = 0; r < R; r++) {
-            const float da = d[r][b];
             // the -32 offset of every code: 32 * sum over the 16 groups of scale * sum of the group's codes
             const __m256i pm = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i*)(bsum[r] + b * 24)));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * da), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
-            accm[r] = _mm256_fmadd_ps(_mm256_set1_ps(32 * dw * da), _mm256_cvtepi32_ps(pm), accm[r]);
+            __m256i s = _mm256_sub_epi32(sumi[r][0], _mm256_slli_epi32(pm, 5));
+            for (int i = 1; i < A; i++) s = _mm256_add_epi32(s, sumi[r][i]);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * d[r][b]), _mm256_cvtepi32_ps(s), acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) - hsum8(accm[r]);
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
 }
 
 template <int R>
