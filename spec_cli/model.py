@@ -309,6 +309,7 @@ class Transformer(nn.Module):
         self.layer_devices: list[torch.device] = [torch.device("cpu")] * cfg.n_layer_main
         self.output_device = torch.device("cpu")
         self.dtype = torch.float32
+        self._stack: kernels.BlockStack | None = None  # kernel_stack's, rebuilt when a block or window changes
 
     def forward_hidden(self, tokens: torch.Tensor, plan: ForwardPlan, kv: list[tuple[torch.Tensor, torch.Tensor]],
                        step=None):
@@ -320,6 +321,13 @@ class Transformer(nn.Module):
             x = x * cfg.embed_scale
         if step is not None:  # one graph for the whole loop below
             return step(self, x, plan, self.ropes(plan.positions, plan.n_kv), kv)
+        stack = self.kernel_stack(x, kv)
+        if stack is not None:  # the loop below in one kernel call
+            G, T, D = x.shape
+            tables = [rope_table(cfg.rope_dim, base, cfg.rope_scale, plan.n_kv)
+                      for base in (cfg.rope_base, cfg.rope_base_swa)]
+            x = x.reshape(G * T, D).contiguous()  # the embedding's own tensor: the blocks overwrite it
+            return kernels.blocks(stack, x, tables, plan.row_seq, plan.row_pos, plan.row_write, kv).view(G, T, D)
         plans: dict[torch.device, tuple] = {}
         for layer, device, (k_cache, v_cache) in zip(self.layers, self.layer_devices, kv):
             if device not in plans:
@@ -328,6 +336,21 @@ class Transformer(nn.Module):
             p, ropes = plans[device]
             x = layer(x.to(device), p, ropes[layer.swa], k_cache, v_cache)
         return x
+
+    def kernel_stack(self, x: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> "kernels.BlockStack | None":
+        """Every block on the kernels in one call, or None where one block is not (float weights, CUDA, -ngl
+        splits, -tp shards): then the blocks run one call each (Block.forward)."""
+        if not kernels.usable(x) or kv[0][0].dtype != torch.float32 or any(d.type != "cpu" for d in self.layer_devices):
+            return None
+        descs = tuple(layer.kernel_desc() for layer in self.layers)
+        if any(d is None for d in descs):
+            return None
+        window = self.cfg.sliding_window or 0
+        swa = tuple(layer.swa for layer in self.layers)
+        windows = tuple(window if s else 0 for s in swa)
+        if self._stack is None or self._stack.key != (descs, windows):
+            self._stack = kernels.BlockStack(descs, windows, swa)
+        return self._stack
 
     def ropes(self, positions: torch.Tensor, n_pos: int) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
         """The rope tables of these positions (each < n_pos) for full-attention (False) and sliding-window (True)

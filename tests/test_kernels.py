@@ -34,7 +34,7 @@ from spec_cli import kernels, qlinear
 from spec_cli.batch import Batch
 from spec_cli.context import Context
 from spec_cli.loader import load_model
-from spec_cli.model import apply_rope, rope_table
+from spec_cli.model import Transformer, apply_rope, rope_table
 from spec_cli.qlinear import QLinear
 from spec_cli.quants import dequantize
 from tests.tiny_gguf import K_DIMS, quantizable, random_blocks, write_tiny_gguf
@@ -594,6 +594,30 @@ def test_tiny_model_on_the_kernels_is_close_to_float32_weights(tmp_path, arch, q
     got, want = Context(q, n_ctx=64).decode(batch).logits, Context(f32, n_ctx=64).decode(batch).logits
     rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max()
     assert rel < 0.05, f"{arch} {qtype.name}: worst position's relative logit error {rel:.3g}"
+
+
+def test_one_call_for_every_block_equals_a_call_per_block(tmp_path, monkeypatch):
+    """Transformer.kernel_stack (kernels.cpp sc_blocks: every block in one call, in place) against a call per block:
+    the same logits bit for bit, for a prompt and one-row steps, over sliding-window blocks and a global one whose
+    rope bases differ (each block must get its own kind's table)."""
+    path = write_tiny_gguf(tmp_path / "g.gguf", arch="gemma3", seed=3, qtype=T.Q4_K, dims=K_DIMS, n_layer=6,
+                           qtype_overrides={"ffn_down.weight": T.Q6_K})
+    lm = load_model(path, device="cpu")
+    lm.config.rope_base = 1e6  # the global block's (gemma3's files have 1e6 there, 1e4 for the sliding ones)
+
+    def logits() -> torch.Tensor:
+        ctx, out = Context(lm, n_ctx=64), []
+        for start, stop in ((0, 20), (20, 21), (21, 22), (22, 25)):
+            batch = Batch()
+            for pos in range(start, stop):
+                batch.add(40 + pos, pos, 0, True)
+            out.append(ctx.decode(batch).logits)
+        return torch.cat(out)
+
+    stacked = logits()
+    assert lm.model._stack is not None and lm.model._stack.n == 6
+    monkeypatch.setattr(Transformer, "kernel_stack", lambda self, x, kv: None)
+    assert torch.equal(logits(), stacked)
 
 
 # --- without the compiled library ---------------------------------------------------------------------------------

@@ -52,6 +52,8 @@ if _lib is not None:
     _lib.sc_linear.restype = ctypes.c_int
     _lib.sc_block.argtypes = [_vp, _vp, _i64, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i64, _vp]
     _lib.sc_block.restype = ctypes.c_int
+    _lib.sc_blocks.argtypes = [ctypes.c_int, _vp, _vp, _vp, _i64, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i64]
+    _lib.sc_blocks.restype = ctypes.c_int
     _lib.sc_rms_norm.argtypes = [_vp, _vp, _vp, _i64, _i64, ctypes.c_float]
     _lib.sc_attention.argtypes = [_vp, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int, ctypes.c_int, _vp, _vp, _i64,
                                   _vp, _vp, _i64, ctypes.c_float, _vp]
@@ -223,6 +225,36 @@ def block_at(desc: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
     if rc:
         raise RuntimeError(f"sc_block failed ({rc}): unsupported weight type or shape")
     return out
+
+
+class BlockStack:
+    """A model's decoder blocks for sc_blocks: their descriptors (each block's attention window set) and which use
+    the sliding-window rope base. `key` tells whether it still describes the model (model.Transformer.kernel_stack)."""
+
+    def __init__(self, descs: tuple[BlockDesc, ...], windows: tuple[int, ...], swa: tuple[bool, ...]):
+        for desc, window in zip(descs, windows):
+            desc.window = window
+        self.key = (descs, windows)
+        self.n = len(descs)
+        self.descs = (_vp * self.n)(*(ctypes.addressof(d) for d in descs))  # the descs stay alive through `key`
+        self.swa = (ctypes.c_uint8 * self.n)(*swa)
+
+
+def blocks(stack: BlockStack, x: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]], row_seq: torch.Tensor,
+           row_pos: torch.Tensor, row_write: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Every block of `stack` over rows x [R, D] float32 contiguous, in place (x is overwritten and returned); ropes
+    [full, sliding window] tables, rows as for qkv_prep, kv the caches of each block."""
+    _sync_threads()
+    n = stack.n
+    cos = (_vp * 2)(ropes[0][0].data_ptr(), ropes[1][0].data_ptr())
+    sin = (_vp * 2)(ropes[0][1].data_ptr(), ropes[1][1].data_ptr())
+    k_caches = (_vp * n)(*(k.data_ptr() for k, _ in kv))
+    v_caches = (_vp * n)(*(v.data_ptr() for _, v in kv))
+    rc = _lib.sc_blocks(n, stack.descs, stack.swa, x.data_ptr(), x.shape[0], cos, sin, row_seq.data_ptr(),
+                        row_pos.data_ptr(), row_write.data_ptr(), k_caches, v_caches, kv[0][0].shape[2])
+    if rc:
+        raise RuntimeError(f"sc_blocks failed ({rc}): unsupported weight type or shape")
+    return x
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
