@@ -641,6 +641,20 @@ SC_AVX2 inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+// SiLU-gated values with AVX2, o[j] = silu(g[j]) u[j] for j in [j0, j1): silu(x) = x / (1 + e^-x), and for x < 0
+// x e^x / (1 + e^x), so exp8 always gets -|x| (libm's expf, one value at a time, was 5 % of a verify step)
+SC_AVX2 void silu_glu_avx2(const float* g, const float* u, float* o, int64_t j0, int64_t j1) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    int64_t j = j0;
+    for (; j + 8 <= j1; j += 8) {
+        const __m256 x = _mm256_loadu_ps(g + j);
+        const __m256 e = exp8(_mm256_or_ps(x, sign));  // e^-|x|
+        const __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), x);  // x, or x e^x where x's sign bit is set
+        _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + j)));
+    }
+    for (; j < j1; j++) o[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
+}
+
 // One query head over its n keys: o[hd] = softmax(scale q.k_j) . v_j. Scores and their exponentials in 8-lane steps
 // (a row's n fixes which keys take the scalar tail, so its result still depends on nothing but its own keys); the
 // weighted sum keeps 64 output values in registers while the keys stream past.
@@ -1138,6 +1152,9 @@ void sc_glu(const float* gate_up, int64_t ld, int64_t n, int64_t F, int act, flo
         const float* u = g + F;
         float* o = out + i * F;
         if (act == 0) {
+#if SC_X86
+            if (g_use_avx2) return silu_glu_avx2(g, u, o, j0, j1);
+#endif
             for (int64_t j = j0; j < j1; j++) o[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
         } else {
             const float c = 0.7978845608028654f;  // sqrt(2 / pi)
