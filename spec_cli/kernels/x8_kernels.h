@@ -12,13 +12,11 @@ inline __m256i dot4(__m256i acc, __m256i u, __m256i y) {
     else return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, y), _mm256_set1_epi16(1)));
 }
 
-// bits s .. s + 3 of each 32-bit lane of qh as bit 4 of the lane's bytes 0..3 (the fifth bit of Q5 codes)
-inline __m256i fifth_bits(__m256i qh, int s) {
-    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
-                                            0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
-    const __m256i bit = _mm256_set1_epi32(0x08040201);
-    const __m256i t = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_srli_epi32(qh, s), spread), bit);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(t, bit), _mm256_set1_epi8(0x10));
+// bit j of each byte of qh's X8 words (kernels.cpp q5_bit: run g's low nibbles at j = 2 g, high ones at 2 g + 1)
+// as bit 4 of the byte: the fifth bit of that byte's Q5 codes (one shift and one mask; j is a constant once unrolled)
+inline __m256i fifth_bits(__m256i qh, int j) {
+    const __m256i moved = j < 4 ? _mm256_slli_epi32(qh, 4 - j) : _mm256_srli_epi32(qh, j - 4);
+    return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
 }
 
 // X8 groups of a 32-value block type against Q8_0/Q8_1 (R activation rows), lane c = row c. Codes
@@ -65,8 +63,8 @@ void dot32_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* ou
                 const __m256i bytes = _mm256_loadu_si256((const __m256i*)(blk + L::codes + 32 * g));
                 __m256i lo = _mm256_and_si256(bytes, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4);
                 if constexpr (L::five) {
-                    lo = _mm256_or_si256(lo, fifth_bits(qh, 4 * g));
-                    hi = _mm256_or_si256(hi, fifth_bits(qh, 16 + 4 * g));
+                    lo = _mm256_or_si256(lo, fifth_bits(qh, 2 * g));
+                    hi = _mm256_or_si256(hi, fifth_bits(qh, 2 * g + 1));
                 }
                 for (int r = 0; r < R; r++) {
                     int32_t y_lo, y_hi;
