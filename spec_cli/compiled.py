@@ -7,10 +7,10 @@ graph inputs, so a graph serves every model of the same shapes (a target and a s
 
 - CPU: symbolic shapes (rows, sequences and the attended key range), nothing padded, so the logits are eager's bits:
   padding rows or keys would change torch's matmul and SDPA sums on the float path.
-  - Quantized weights (the default): each block is already one C++ call (kernels.cpp `sc_block`), registered as
-    the torch op `spec_cli::block` (fake implementation; it writes the caches in place) so the loop compiles
-    without graph breaks. The graph is those calls: nothing is left to fuse, so it ties eager at best (0.98-0.99x
-    measured, docs/performance.md "Compiled decode") and `auto` leaves it eager.
+  - Quantized weights (the default): the blocks are already one C++ call (kernels.cpp `sc_blocks`), registered
+    as the torch op `spec_cli::blocks` (fake implementation; it writes the caches in place) so the step compiles
+    without graph breaks. The graph is that call: nothing is left to fuse, so it ties eager at best and `auto`
+    leaves it eager (docs/performance.md).
   - Float weights (`--dtype f32`): inductor fuses the torch ops of `Block.forward_torch` around torch's matmuls and
     SDPA; RMS norm (the kernels' own, as on the eager path) and GELU-tanh are custom ops, the eager bits.
 - CUDA: the same graph (inductor's Triton kernels), shapes padded to the ROW_BUCKETS (groups and rows) and the key
@@ -79,25 +79,27 @@ _LIB = torch.library.Library("spec_cli", "FRAGMENT")  # kept for the process: dr
 
 
 def register_ops() -> None:
-    """`torch.ops.spec_cli.block`: kernels.block_at as an op dynamo can put in a graph (writes k/v caches in place)."""
+    """`torch.ops.spec_cli.blocks`: kernels.blocks_at as an op dynamo can put in a graph (writes the k/v caches in
+    place; x is copied first: the op returns its result)."""
     global _registered
     if _registered:
         return
 
-    # the block through the plain Library API, not torch.library.custom_op: custom_op's Python wrappers cost
-    # ~55 us per call on the CPU (smollm2-135m: 30 calls per token, compiled 0.71x of eager with them)
-    _LIB.define("block(Tensor desc, int window, Tensor x, Tensor cos, Tensor sin, Tensor row_seq, Tensor row_pos, "
-                "Tensor row_write, Tensor(a!) k_cache, Tensor(b!) v_cache) -> Tensor")
+    # through the plain Library API, not torch.library.custom_op: custom_op's Python wrappers cost ~55 us per call
+    # on the CPU (when the op was one block: smollm2-135m compiled 0.71x of eager with them)
+    _LIB.define("blocks(Tensor stack, Tensor x, Tensor cos, Tensor sin, Tensor cos_swa, Tensor sin_swa, "
+                "Tensor row_seq, Tensor row_pos, Tensor row_write, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches) "
+                "-> Tensor")
 
-    def block_op(desc, window, x, cos, sin, row_seq, row_pos, row_write, k_cache, v_cache):
-        addr = int(desc)
-        kernels.BlockDesc.from_address(addr).window = window
-        return kernels.block_at(addr, x, (cos, sin), row_seq, row_pos, row_write, k_cache, v_cache)
+    def blocks_op(stack, x, cos, sin, cos_swa, sin_swa, row_seq, row_pos, row_write, k_caches, v_caches):
+        descs, swa = stack.tolist()
+        return kernels.blocks_at(descs, swa, x.clone(), [(cos, sin), (cos_swa, sin_swa)], row_seq, row_pos,
+                                 row_write, k_caches, v_caches)
 
-    _LIB.impl("block", block_op, "CPU")
+    _LIB.impl("blocks", blocks_op, "CPU")
 
-    @torch.library.register_fake("spec_cli::block")
-    def _(desc, window, x, cos, sin, row_seq, row_pos, row_write, k_cache, v_cache):
+    @torch.library.register_fake("spec_cli::blocks")
+    def _(stack, x, cos, sin, cos_swa, sin_swa, row_seq, row_pos, row_write, k_caches, v_caches):
         return torch.empty_like(x)
 
     @torch.library.custom_op("spec_cli::rms_norm", mutates_args=(), device_types="cpu")
@@ -120,19 +122,17 @@ def register_ops() -> None:
 
 
 def _layers(model: Transformer, x, positions, write_rows, write_seq, write_pos, kv_seqs, mask_full, mask_swa,
-            ropes, kv, descs, windows, tables, row_seq, row_pos, row_write):
-    """Every decoder block of one step (Transformer.forward_hidden's loop), as one graph: on the kernels (descs
-    given: the `spec_cli::block` op per layer) or in torch ops (Block.forward_torch)."""
-    plan = ForwardPlan(positions, write_rows, write_seq, write_pos, kv_seqs, mask_full.shape[-1], mask_full, mask_swa)
+            ropes, kv, stack, tables, row_seq, row_pos, row_write):
+    """Every decoder block of one step (Transformer.forward_hidden's loop), as one graph: on the kernels (`stack`
+    given: the `spec_cli::blocks` op) or in torch ops (Block.forward_torch)."""
     G, T, D = x.shape
-    for i, layer in enumerate(model.layers):
-        k_cache, v_cache = kv[i]
-        if descs is not None:
-            cos, sin = tables[int(layer.swa)]
-            x = torch.ops.spec_cli.block(descs[i], windows[i], x.reshape(G * T, D), cos, sin, row_seq, row_pos,
-                                         row_write, k_cache, v_cache).view(G, T, D)
-        else:
-            x = layer.forward_torch(x, plan, ropes[int(layer.swa)], k_cache, v_cache)
+    if stack is not None:
+        (cos, sin), (cos_swa, sin_swa) = tables
+        return torch.ops.spec_cli.blocks(stack, x.reshape(G * T, D), cos, sin, cos_swa, sin_swa, row_seq, row_pos,
+                                         row_write, [k for k, _ in kv], [v for _, v in kv]).view(G, T, D)
+    plan = ForwardPlan(positions, write_rows, write_seq, write_pos, kv_seqs, mask_full.shape[-1], mask_full, mask_swa)
+    for layer, (k_cache, v_cache) in zip(model.layers, kv):
+        x = layer.forward_torch(x, plan, ropes[int(layer.swa)], k_cache, v_cache)
     return x
 
 
@@ -180,7 +180,6 @@ class CompiledStep:
         self.stats = CompileStats()
         # CUDA: dims marked dynamic in __call__ (rows, key range), the CUDA graphs captured by cuda_graphs.py
         self._fn = torch.compile(_layers, fullgraph=True, dynamic=None if cuda else True)
-        self._descs: dict[int, torch.Tensor] = {}  # id(BlockDesc) -> its address as a tensor (no guard on it)
         self._call: tuple[float, int, int] | None = None  # (start, G, T) of the block call in flight
         self._watcher: threading.Thread | None = None
         self._shown: tuple[float, int, int] | None = None  # the call the progress line is about
@@ -205,17 +204,9 @@ class CompiledStep:
         """x [G, T, D] after the embedding -> after the last block; the caches written as eager writes them."""
         G, T, _ = x.shape
         cfg = model.cfg
-        descs = windows = tables = None
-        first = model.layers[0].kernel_for(x, kv[0][0])
-        if first is not None:
-            descs, windows = [], []
-            for layer, (k_cache, _) in zip(model.layers, kv):
-                desc = layer.kernel_for(x, k_cache)
-                addr = self._descs.get(id(desc))
-                if addr is None:
-                    addr = self._descs[id(desc)] = torch.tensor(kernels.ctypes.addressof(desc), dtype=torch.int64)
-                descs.append(addr)
-                windows.append((cfg.sliding_window or 0) if layer.swa else 0)
+        stack = model.kernel_stack(x, kv)
+        tables = None
+        if stack is not None:
             tables = [rope_table(cfg.rope_dim, base, cfg.rope_scale, plan.n_kv)
                       for base in (cfg.rope_base, cfg.rope_base_swa)]
             row_args = (plan.row_seq, plan.row_pos, plan.row_write)
@@ -228,7 +219,8 @@ class CompiledStep:
                 torch._dynamo.maybe_mark_dynamic(mask, 3)
         torch._dynamo.maybe_mark_dynamic(x, 1)
         args = (model, x, plan.positions, plan.write_rows, plan.write_seq, plan.write_pos, plan.kv_seqs,
-                plan.mask_full, plan.mask_swa, [ropes[False], ropes[True]], kv, descs, windows, tables, *row_args)
+                plan.mask_full, plan.mask_swa, [ropes[False], ropes[True]], kv,
+                None if stack is None else stack.address, tables, *row_args)
         return self._timed(self._fn, args, G, T)
 
     def _timed(self, fn, args, G: int, T: int):

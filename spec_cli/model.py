@@ -327,7 +327,8 @@ class Transformer(nn.Module):
             tables = [rope_table(cfg.rope_dim, base, cfg.rope_scale, plan.n_kv)
                       for base in (cfg.rope_base, cfg.rope_base_swa)]
             x = x.reshape(G * T, D).contiguous()  # the embedding's own tensor: the blocks overwrite it
-            return kernels.blocks(stack, x, tables, plan.row_seq, plan.row_pos, plan.row_write, kv).view(G, T, D)
+            return kernels.blocks(stack, x, tables, plan.row_seq, plan.row_pos, plan.row_write, [k for k, _ in kv],
+                                  [v for _, v in kv]).view(G, T, D)
         plans: dict[torch.device, tuple] = {}
         for layer, device, (k_cache, v_cache) in zip(self.layers, self.layer_devices, kv):
             if device not in plans:

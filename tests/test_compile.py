@@ -1,6 +1,6 @@
 """--compile (spec_cli/compiled.py): the decode/verify step compiled with torch.compile gives what eager gives.
 
-On the default CPU path (quantized weights, the C++ block as the custom op spec_cli::block) the logits are
+On the default CPU path (quantized weights, the C++ blocks as the custom op spec_cli::blocks) the logits are
 BIT-identical to eager and stay batch-invariant compiled: every row of 4 sequences decoded together in verify
 batches == the sequence decoded one row at a time, eager. On the float path (--dtype f32: inductor's own kernels
 around torch's matmuls) the logits are eager's bits too. Through the public API (plain, ngram-simple and

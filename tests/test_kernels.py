@@ -615,7 +615,7 @@ def test_one_call_for_every_block_equals_a_call_per_block(tmp_path, monkeypatch)
         return torch.cat(out)
 
     stacked = logits()
-    assert lm.model._stack is not None and lm.model._stack.n == 6
+    assert lm.model._stack is not None and len(lm.model._stack.key[0]) == 6
     monkeypatch.setattr(Transformer, "kernel_stack", lambda self, x, kv: None)
     assert torch.equal(logits(), stacked)
 
