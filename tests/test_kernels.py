@@ -477,6 +477,10 @@ def test_attention_matches_softmax_reference(heads, window, isa, threads):
     flip = kernels.attention(q.flip(0).contiguous(), k_cache, v_cache, row_seq.flip(0), row_pos.flip(0), window,
                              scale)
     assert torch.equal(flip, alone.flip(0))
+    # one row on 4 threads: a KV head's query heads split between work items, the same bits as all in one
+    split = with_threads(4, lambda: kernels.attention(q[3:4], k_cache, v_cache, row_seq[3:4], row_pos[3:4], window,
+                                                      scale))
+    assert torch.equal(split, alone[3:4])
 
 
 def test_attention_ignores_keys_past_the_row(isa):

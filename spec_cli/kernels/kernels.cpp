@@ -660,55 +660,83 @@ SC_AVX2 void silu_glu_avx2(const float* g, const float* u, float* o, int64_t j0,
     for (; j < j1; j++) o[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
 }
 
-// One query head over its n keys: o[hd] = softmax(scale q.k_j) . v_j. Scores and their exponentials in 8-lane steps
-// (a row's n fixes which keys take the scalar tail, so its result still depends on nothing but its own keys); the
-// weighted sum keeps 64 output values in registers while the keys stream past.
-SC_AVX2 void attend_avx2(const float* q, const float* keys, const float* vals, int64_t n, int hd, float scale,
-                         float* scores, float* o) {
-    // 8 keys at a time: 8 independent chains of FMAs (one key's chain alone waited on the FMA latency), each key's
-    // sum in dot_f32_avx2's order, so the same bits
-    float mx = -INFINITY;
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        const float* kj = keys + j * hd;
-        __m256 acc[8];
-        for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
-        for (int t = 0; t < hd; t += 8) {
-            const __m256 qt = _mm256_loadu_ps(q + t);
-            for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(qt, _mm256_loadu_ps(kj + i * hd + t), acc[i]);
+// Query heads h = 0..nh-1 of one KV head over its n keys: o_h[hd] = softmax(scale q_h.k_j) . v_j (q_h at q + h q_head,
+// o_h at o + h o_head). The keys and values stream past in blocks of KEY_BLOCK (8 KB at 128 dims) that stay in L1
+// while every head of the group uses them: a head at a time re-read them from L3 or memory once per head (6 heads
+// per KV head on qwen2.5-coder-1.5b: 24 MB a layer at depth 2000; blocks of 64 keys, all of L1, gained less). Per head the arithmetic is one head's alone, in the same order
+// (scores 8 keys at a time, 8 independent FMA chains, each key's sum in dot_f32_avx2's order; exponentials 8 at a
+// time with a scalar tail that n fixes; the weighted sum over the keys in order, 64 output values at a time), so a
+// row's result depends on nothing but its own keys, whatever the heads share a call with.
+constexpr int64_t KEY_BLOCK = 16;
+
+// o[8 NV] += sum over keys j0..j1-1 of w[k] v[k] (v's rows hd apart), in key order, the NV vectors in registers (a
+// count known when compiled: a runtime one left a compare and branch around every FMA)
+template <int NV>
+SC_AVX2 inline void add_weighted(const float* w, const float* v, int64_t j0, int64_t j1, int hd, float* o) {
+    __m256 acc[NV];
+    for (int t = 0; t < NV; t++) acc[t] = _mm256_loadu_ps(o + 8 * t);
+    for (int64_t k = j0; k < j1; k++) {
+        const __m256 p = _mm256_set1_ps(w[k]);
+        for (int t = 0; t < NV; t++) acc[t] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + k * hd + 8 * t), acc[t]);
+    }
+    for (int t = 0; t < NV; t++) _mm256_storeu_ps(o + 8 * t, acc[t]);
+}
+// scores: scratch [nh, n + 1]
+SC_AVX2 void attend_avx2(const float* q, int64_t q_head, int nh, const float* keys, const float* vals, int64_t n, int hd,
+                         float scale, float* scores, float* o, int64_t o_head) {
+    for (int64_t j0 = 0; j0 < n; j0 += KEY_BLOCK) {
+        const int64_t j1 = std::min(n, j0 + KEY_BLOCK);
+        for (int h = 0; h < nh; h++) {
+            const float* qh = q + h * q_head;
+            float* sh = scores + h * (n + 1);
+            int64_t j = j0;
+            for (; j + 8 <= j1; j += 8) {
+                const float* kj = keys + j * hd;
+                __m256 acc[8];
+                for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+                for (int t = 0; t < hd; t += 8) {
+                    const __m256 qt = _mm256_loadu_ps(qh + t);
+                    for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(qt, _mm256_loadu_ps(kj + i * hd + t), acc[i]);
+                }
+                for (int i = 0; i < 8; i++) sh[j + i] = hsum8(acc[i]) * scale;
+            }
+            for (; j < j1; j++) sh[j] = dot_f32_avx2(qh, keys + j * hd, hd) * scale;
         }
-        for (int i = 0; i < 8; i++) {
-            scores[j + i] = hsum8(acc[i]) * scale;
-            mx = std::max(mx, scores[j + i]);
+    }
+    for (int h = 0; h < nh; h++) {  // softmax weights in place, unnormalized; the output starts at zero
+        float* sh = scores + h * (n + 1);
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < n; j++) mx = std::max(mx, sh[j]);
+        const __m256 vmx = _mm256_set1_ps(mx);
+        __m256 vsum = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + j), vmx));
+            _mm256_storeu_ps(sh + j, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        float sum = hsum8(vsum);
+        for (; j < n; j++) {
+            sh[j] = std::exp(sh[j] - mx);
+            sum += sh[j];
+        }
+        sh[n] = 1.0f / sum;  // (scores holds n + 1 values per head)
+        std::fill(o + h * o_head, o + h * o_head + hd, 0.0f);
+    }
+    for (int64_t j0 = 0; j0 < n; j0 += KEY_BLOCK) {
+        const int64_t j1 = std::min(n, j0 + KEY_BLOCK);
+        for (int h = 0; h < nh; h++) {
+            const float* sh = scores + h * (n + 1);
+            float* oh = o + h * o_head;
+            int d0 = 0;
+            for (; d0 + 64 <= hd; d0 += 64) add_weighted<8>(sh, vals + d0, j0, j1, hd, oh + d0);
+            for (; d0 < hd; d0 += 8) add_weighted<1>(sh, vals + d0, j0, j1, hd, oh + d0);
         }
     }
-    for (; j < n; j++) {
-        scores[j] = dot_f32_avx2(q, keys + j * hd, hd) * scale;
-        mx = std::max(mx, scores[j]);
-    }
-    const __m256 vmx = _mm256_set1_ps(mx);
-    __m256 vsum = _mm256_setzero_ps();
-    for (j = 0; j + 8 <= n; j += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), vmx));
-        _mm256_storeu_ps(scores + j, e);
-        vsum = _mm256_add_ps(vsum, e);
-    }
-    float sum = hsum8(vsum);
-    for (; j < n; j++) {
-        scores[j] = std::exp(scores[j] - mx);
-        sum += scores[j];
-    }
-    const __m256 inv = _mm256_set1_ps(1.0f / sum);
-    for (int d0 = 0; d0 < hd; d0 += 64) {
-        const int nv = std::min(64, hd - d0) / 8;
-        __m256 acc[8];
-        for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
-        for (int64_t k = 0; k < n; k++) {
-            const __m256 p = _mm256_set1_ps(scores[k]);
-            const float* v = vals + k * hd + d0;
-            for (int t = 0; t < nv; t++) acc[t] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * t), acc[t]);
-        }
-        for (int t = 0; t < nv; t++) _mm256_storeu_ps(o + d0 + 8 * t, _mm256_mul_ps(acc[t], inv));
+    for (int h = 0; h < nh; h++) {
+        const __m256 inv = _mm256_set1_ps(scores[h * (n + 1) + n]);
+        float* oh = o + h * o_head;
+        for (int t = 0; t < hd; t += 8) _mm256_storeu_ps(oh + t, _mm256_mul_ps(_mm256_loadu_ps(oh + t), inv));
     }
 }
 
@@ -1104,44 +1132,54 @@ void sc_attention(const float* q, int64_t q_row, int64_t q_head, int64_t n_rows,
                   const int64_t* row_pos, int64_t window, float scale, float* out) {
     const int group = n_head / n_kv_head;
     const bool avx2 = g_use_avx2 && head_dim % 8 == 0;
-    const int64_t items = n_rows * n_head;
+    // a work item: one row's query heads of one KV head (attend_avx2 reads the keys once for them), the group split
+    // in parts where rows x KV heads would leave threads idle
+    const int64_t pairs = n_rows * n_kv_head;
+    const int parts = (int)std::min<int64_t>(group, std::max<int64_t>(1, (g_threads + pairs - 1) / pairs));
+    const int per = (group + parts - 1) / parts;
+    const int64_t items = pairs * parts;
     const std::function<void(int64_t)> fn = [&](int64_t item) {
         static thread_local std::vector<float> scores;
-        const int64_t r = item / n_head;
-        const int h = (int)(item % n_head), hk = h / group;
+        const int64_t r = item / (n_kv_head * parts);
+        const int hk = (int)(item / parts % n_kv_head), h0 = hk * group + (int)(item % parts) * per;
+        const int nh = std::min(per, (hk + 1) * group - h0);
         const int64_t pos = row_pos[r];
         const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
         const int64_t n = pos - lo + 1;
-        const float* qv = q + r * q_row + h * q_head;
         const int64_t base = (row_seq[r] * n_kv_head + hk) * n_ctx;
         const float* keys = k_cache + (base + lo) * head_dim;
         const float* vals = v_cache + (base + lo) * head_dim;
-        float* o = out + r * (int64_t)n_head * head_dim + (int64_t)h * head_dim;
-        scores.resize(n);
+        const float* q0 = q + r * q_row + h0 * q_head;
+        float* o0 = out + r * (int64_t)n_head * head_dim + (int64_t)h0 * head_dim;
+        scores.resize(nh * (n + 1));
 #if SC_X86
-        if (avx2) return attend_avx2(qv, keys, vals, n, head_dim, scale, scores.data(), o);
+        if (avx2) return attend_avx2(q0, q_head, nh, keys, vals, n, head_dim, scale, scores.data(), o0, head_dim);
 #endif
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < n; j++) {
-            const float* kj = keys + j * head_dim;
-            float s = 0;
-            for (int t = 0; t < head_dim; t++) s += qv[t] * kj[t];
-            s *= scale;
-            scores[j] = s;
-            mx = std::max(mx, s);
+        for (int h = 0; h < nh; h++) {
+            const float* qv = q0 + h * q_head;
+            float* o = o0 + h * head_dim;
+            float mx = -INFINITY;
+            for (int64_t j = 0; j < n; j++) {
+                const float* kj = keys + j * head_dim;
+                float s = 0;
+                for (int t = 0; t < head_dim; t++) s += qv[t] * kj[t];
+                s *= scale;
+                scores[j] = s;
+                mx = std::max(mx, s);
+            }
+            float sum = 0;
+            for (int64_t j = 0; j < n; j++) {
+                scores[j] = std::exp(scores[j] - mx);
+                sum += scores[j];
+            }
+            for (int t = 0; t < head_dim; t++) o[t] = 0;
+            for (int64_t j = 0; j < n; j++) {
+                const float* vj = vals + j * head_dim;
+                for (int t = 0; t < head_dim; t++) o[t] = std::fma(scores[j], vj[t], o[t]);
+            }
+            const float inv = 1.0f / sum;
+            for (int t = 0; t < head_dim; t++) o[t] *= inv;
         }
-        float sum = 0;
-        for (int64_t j = 0; j < n; j++) {
-            scores[j] = std::exp(scores[j] - mx);
-            sum += scores[j];
-        }
-        for (int t = 0; t < head_dim; t++) o[t] = 0;
-        for (int64_t j = 0; j < n; j++) {
-            const float* vj = vals + j * head_dim;
-            for (int t = 0; t < head_dim; t++) o[t] = std::fma(scores[j], vj[t], o[t]);
-        }
-        const float inv = 1.0f / sum;
-        for (int t = 0; t < head_dim; t++) o[t] *= inv;
     };
     pool().run(items >= 2 ? g_threads : 1, items, fn);
 }
