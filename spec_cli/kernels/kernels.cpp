@@ -660,14 +660,7 @@ SC_AVX2 void silu_glu_avx2(const float* g, const float* u, float* o, int64_t j0,
     for (; j < j1; j++) o[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
 }
 
-// Query heads h = 0..nh-1 of one KV head over its n keys: o_h[hd] = softmax(scale q_h.k_j) . v_j (q_h at q + h q_head,
-// o_h at o + h o_head). The keys and values stream past in blocks of KEY_BLOCK (8 KB at 128 dims) that stay in L1
-// while every head of the group uses them: a head at a time re-read them from L3 or memory once per head (6 heads
-// per KV head on qwen2.5-coder-1.5b: 24 MB a layer at depth 2000; blocks of 64 keys, all of L1, gained less). Per head the arithmetic is one head's alone, in the same order
-// (scores 8 keys at a time, 8 independent FMA chains, each key's sum in dot_f32_avx2's order; exponentials 8 at a
-// time with a scalar tail that n fixes; the weighted sum over the keys in order, 64 output values at a time), so a
-// row's result depends on nothing but its own keys, whatever the heads share a call with.
-constexpr int64_t KEY_BLOCK = 16;
+constexpr int64_t KEY_BLOCK = 16;  // keys (and values) attend_avx2 keeps in L1 for all heads: 8 KB at 128 dims
 
 // o[8 NV] += sum over keys j0..j1-1 of w[k] v[k] (v's rows hd apart), in key order, the NV vectors in registers (a
 // count known when compiled: a runtime one left a compare and branch around every FMA)
@@ -681,9 +674,17 @@ SC_AVX2 inline void add_weighted(const float* w, const float* v, int64_t j0, int
     }
     for (int t = 0; t < NV; t++) _mm256_storeu_ps(o + 8 * t, acc[t]);
 }
-// scores: scratch [nh, n + 1]
-SC_AVX2 void attend_avx2(const float* q, int64_t q_head, int nh, const float* keys, const float* vals, int64_t n, int hd,
-                         float scale, float* scores, float* o, int64_t o_head) {
+
+// Query heads h = 0..nh-1 of one KV head over its n keys: o_h[hd] = softmax(scale q_h.k_j) . v_j (q_h at q + h q_head,
+// o_h at o + h o_head; scores: scratch [nh, n + 1]). The keys and values pass in blocks of KEY_BLOCK that stay in L1
+// while every head of the group uses them: a head at a time re-read them from L3 or memory once per head (6 heads
+// per KV head on qwen2.5-coder-1.5b: 24 MB a layer at depth 2000; blocks of 64 keys, all of L1, gained less). Per
+// head the arithmetic is one head's alone, in the same order (scores 8 keys at a time, 8 independent FMA chains,
+// each key's sum in dot_f32_avx2's order; exponentials 8 at a time with a scalar tail that n fixes; the weighted
+// sum over the keys in order, 64 output values at a time), so a row's result depends on nothing but its own keys,
+// whatever the heads share a call with.
+SC_AVX2 void attend_avx2(const float* q, int64_t q_head, int nh, const float* keys, const float* vals, int64_t n,
+                         int hd, float scale, float* scores, float* o, int64_t o_head) {
     for (int64_t j0 = 0; j0 < n; j0 += KEY_BLOCK) {
         const int64_t j1 = std::min(n, j0 + KEY_BLOCK);
         for (int h = 0; h < nh; h++) {
