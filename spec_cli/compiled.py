@@ -36,7 +36,7 @@ import torch
 
 from spec_cli import kernels
 from spec_cli.errors import UsageError
-from spec_cli.model import ForwardPlan, Transformer, rope_table
+from spec_cli.model import ForwardPlan, Transformer
 
 MODES = ("auto", "on", "off")
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # sequences per step and rows per sequence, each padded up to one of these
@@ -203,12 +203,10 @@ class CompiledStep:
     def __call__(self, model: Transformer, x: torch.Tensor, plan: ForwardPlan, ropes: dict, kv) -> torch.Tensor:
         """x [G, T, D] after the embedding -> after the last block; the caches written as eager writes them."""
         G, T, _ = x.shape
-        cfg = model.cfg
         stack = model.kernel_stack(x, kv)
         tables = None
         if stack is not None:
-            tables = [rope_table(cfg.rope_dim, base, cfg.rope_scale, plan.n_kv)
-                      for base in (cfg.rope_base, cfg.rope_base_swa)]
+            tables = model.kernel_ropes(plan.n_kv)
             row_args = (plan.row_seq, plan.row_pos, plan.row_write)
         else:
             row_args = (None, None, None)

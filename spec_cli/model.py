@@ -324,11 +324,9 @@ class Transformer(nn.Module):
         stack = self.kernel_stack(x, kv)
         if stack is not None:  # the loop below in one kernel call
             G, T, D = x.shape
-            tables = [rope_table(cfg.rope_dim, base, cfg.rope_scale, plan.n_kv)
-                      for base in (cfg.rope_base, cfg.rope_base_swa)]
             x = x.reshape(G * T, D).contiguous()  # the embedding's own tensor: the blocks overwrite it
-            return kernels.blocks(stack, x, tables, plan.row_seq, plan.row_pos, plan.row_write, [k for k, _ in kv],
-                                  [v for _, v in kv]).view(G, T, D)
+            return kernels.blocks(stack, x, self.kernel_ropes(plan.n_kv), plan.row_seq, plan.row_pos, plan.row_write,
+                                  [k for k, _ in kv], [v for _, v in kv]).view(G, T, D)
         plans: dict[torch.device, tuple] = {}
         for layer, device, (k_cache, v_cache) in zip(self.layers, self.layer_devices, kv):
             if device not in plans:
@@ -352,6 +350,11 @@ class Transformer(nn.Module):
         if self._stack is None or self._stack.key != (descs, windows):
             self._stack = kernels.BlockStack(descs, windows, swa)
         return self._stack
+
+    def kernel_ropes(self, n_pos: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The whole rope tables up to n_pos that the kernels index by row position: [full, sliding window]."""
+        cfg = self.cfg
+        return [rope_table(cfg.rope_dim, base, cfg.rope_scale, n_pos) for base in (cfg.rope_base, cfg.rope_base_swa)]
 
     def ropes(self, positions: torch.Tensor, n_pos: int) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
         """The rope tables of these positions (each < n_pos) for full-attention (False) and sliding-window (True)
