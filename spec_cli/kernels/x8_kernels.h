@@ -12,15 +12,16 @@ inline __m256i dot4(__m256i acc, __m256i u, __m256i y) {
     else return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, y), _mm256_set1_epi16(1)));
 }
 
-// Ask for the weight bytes a kernel reads PF_BYTES ahead of the block it is at (the cache lines of [blk + PF_BYTES,
-// blk + PF_BYTES + n)), for 2 or more activation rows: their arithmetic ran after each memory stall instead of during
-// it (28 x 1536 x 8960 Q6_K streamed from memory, 2 threads: 2 rows 18-22 ms -> 13-14, 8 rows 36 -> 28; Q4_K 4 rows
-// 12.5-13 -> 9). One row keeps up with memory on the hardware prefetchers alone. Past the weights' end a prefetch
-// faults nothing.
-constexpr int PF_BYTES = 2048;
+// For 2 or more activation rows, ask for the weight bytes PF_BYTES ahead of the block a kernel is at (the cache lines
+// of [blk + PF_BYTES, blk + PF_BYTES + n)) into L2: their arithmetic otherwise ran after each memory stall instead of
+// during it. 28 x 1536 x 8960 matrices streamed from memory, 2 threads, ms for 1 / 2 / 4 / 8 rows: Q6_K
+// 9.5 / 18-22 / 25 / 36 -> 9.5 / 9-10 / 13.5-14.5 / 24, Q4_K 6.5 / 7.7 / 12.5-13 / 17.5 -> 6.5 / 6.5-7 / 6.5 / 11.4
+// (into L1 2 KB ahead: 2 rows 13 and 7.3); one row keeps up on the hardware prefetchers alone. Prefetches past the
+// weights' end fault nothing.
+constexpr int PF_BYTES = 8192;
 template <int n>
 inline void prefetch_ahead(const uint8_t* blk) {
-    for (int l = 0; l < n; l += 64) _mm_prefetch((const char*)blk + PF_BYTES + l, _MM_HINT_T0);
+    for (int l = 0; l < n; l += 64) _mm_prefetch((const char*)blk + PF_BYTES + l, _MM_HINT_T1);
 }
 
 // bit j of each byte of qh's X8 words (kernels.cpp q5_bit: run g's low nibbles at j = 2 g, high ones at 2 g + 1)
