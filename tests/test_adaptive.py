@@ -254,6 +254,24 @@ def test_a_costly_drafter_that_seldom_drafts_is_not_asked():
     assert free.drafting_caps(["x"], 1)["x"] > 1
 
 
+def test_a_model_drafter_is_asked_only_clear_of_break_even():
+    """Asking a draft model costs its forwards: planned at 1.02x of plain it is not asked (estimates move by more
+    than that from step to step); at 1.1x it is, and a free drafter with the same numbers is asked at 1.02x."""
+    costs = CostModel()
+    costs.set_points({1: 1.0, 2: 1.2, 3: 2.2, 64: 63.2})
+
+    def cap(seconds_per_token: float, free: bool) -> int:
+        planner = planner_with(costs, {"x": 0.5})
+        planner.observe_drafting("x", 9.0, 1)  # the first call is not priced
+        planner.observe_drafting("x", seconds_per_token, 1)
+        return planner.drafting_caps(["x"], 1, frozenset({"x"}) if free else frozenset())["x"]
+
+    # one draft token: 1.5 expected tokens per 1.2 + its price, against 1 per 1.0
+    assert cap(0.27, free=False) == 0  # 1.02x
+    assert cap(0.27, free=True) == 1
+    assert cap(0.16, free=False) == 1  # 1.10x
+
+
 def test_draft_cost_caps_drafting_but_a_paid_draft_is_verified():
     # E(k) / (1 + 0.5 k) with a = 0.9 peaks at k = 3 (1.376) before k = 4 (1.365)
     planner = planner_with(flat(), {"x": 0.9})
