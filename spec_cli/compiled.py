@@ -168,7 +168,7 @@ class CompileStats:
 
 
 class CompiledStep:
-    """Runs one decoder block of a step compiled (`Transformer.forward_hidden(..., step=)`); Context pads the step's
+    """Runs the decoder blocks of a step compiled (`Transformer.forward_hidden(..., step=)`); Context pads the step's
     rows to ROW_BUCKETS (`fits`, `bucket`) before it calls the model."""
 
     def __init__(self, name: str, cuda: bool, pad: bool | None = None):
@@ -200,15 +200,17 @@ class CompiledStep:
         """One graph per step needs every block on one device (-ngl splits run eager)."""
         return len(set(model.layer_devices)) == 1
 
-    def __call__(self, model: Transformer, x: torch.Tensor, plan: ForwardPlan, ropes: dict, kv) -> torch.Tensor:
+    def __call__(self, model: Transformer, x: torch.Tensor, plan: ForwardPlan, kv) -> torch.Tensor:
         """x [G, T, D] after the embedding -> after the last block; the caches written as eager writes them."""
         G, T, _ = x.shape
         stack = model.kernel_stack(x, kv)
-        tables = None
-        if stack is not None:
+        ropes = tables = None
+        if stack is not None:  # the kernels index whole tables by row position
             tables = model.kernel_ropes(plan.n_kv)
             row_args = (plan.row_seq, plan.row_pos, plan.row_write)
-        else:
+        else:  # torch's ops take the tables of the step's positions
+            by_kind = model.ropes(plan.positions, plan.n_kv)
+            ropes = [by_kind[False], by_kind[True]]
             row_args = (None, None, None)
         # the key range and rows are symbols from the first compile (else: one recompile on their change); on CUDA
         # too: one compiled graph, captured in a CUDA graph per padded shape (cuda_graphs.py)
@@ -217,7 +219,7 @@ class CompiledStep:
                 torch._dynamo.maybe_mark_dynamic(mask, 3)
         torch._dynamo.maybe_mark_dynamic(x, 1)
         args = (model, x, plan.positions, plan.write_rows, plan.write_seq, plan.write_pos, plan.kv_seqs,
-                plan.mask_full, plan.mask_swa, [ropes[False], ropes[True]], kv,
+                plan.mask_full, plan.mask_swa, ropes, kv,
                 None if stack is None else stack.address, tables, *row_args)
         return self._timed(self._fn, args, G, T)
 

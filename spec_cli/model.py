@@ -320,7 +320,7 @@ class Transformer(nn.Module):
         if cfg.embed_scale != 1.0:
             x = x * cfg.embed_scale
         if step is not None:  # one graph for the whole loop below
-            return step(self, x, plan, self.ropes(plan.positions, plan.n_kv), kv)
+            return step(self, x, plan, kv)
         stack = self.kernel_stack(x, kv)
         if stack is not None:  # the loop below in one kernel call
             G, T, D = x.shape
