@@ -144,8 +144,11 @@ def measure(configs: list[Config], prompts: list[list[int]], rounds: int) -> Non
     for rnd in range(rounds):
         for cfg in configs:
             cfg.runs.append([])
-        for prompt in prompts:  # every configuration back to back on each prompt: drift hits them alike
-            for cfg in configs:
+        # every configuration back to back on each prompt, so drift hits them alike; every other prompt in
+        # reverse order, so that no configuration always runs first (or right after another one)
+        for i, prompt in enumerate(prompts):
+            flip = (rnd * len(prompts) + i) % 2
+            for cfg in configs[::-1] if flip else configs:
                 cfg.runs[-1].append(cfg.run(prompt))
         for cfg in configs:
             print(f"round {rnd + 1}/{rounds}  {cfg.backend:9s} {cfg.name:38s} {cfg.round_tok_s(rnd):7.2f} tok/s "

@@ -26,3 +26,28 @@ def test_compare_peers_runs_every_configuration_and_ends_with_the_ratio_line(tin
         assert f"spec-cli   {name}" in table
     assert "draft-simple mean acc len" in table  # per-drafter statistics pooled over the runs
     assert lines[-1] == "spec-cli best / llama.cpp best: n/a"
+
+
+def test_configurations_run_back_to_back_per_prompt_and_take_turns_going_first():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compare_peers", SCRIPT)
+    cp = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = cp  # its dataclasses look their module up
+    spec.loader.exec_module(cp)
+    calls = []
+
+    def runner(name):
+        def run(prompt):
+            calls.append((name, prompt[0]))
+            return cp.Run(1, 1.0, {})
+        return run
+
+    configs = [cp.Config("spec-cli", n, runner(n)) for n in ("plain", "a", "b")]
+    cp.measure(configs, [[0], [1], [2]], rounds=2)
+    timed = calls[3:]  # after the warmup (each configuration once)
+    order = [[n for n, _ in timed[i:i + 3]] for i in range(0, len(timed), 3)]
+    assert [p for _, p in timed[::3]] == [0, 1, 2, 0, 1, 2]  # a prompt's configurations run back to back
+    assert [o[0] for o in order] == ["plain", "b", "plain", "b", "plain", "b"]
+    assert all(sorted(o) == ["a", "b", "plain"] for o in order)
+    assert all(len(c.runs) == 2 and len(c.runs[0]) == 3 for c in configs)

@@ -867,20 +867,20 @@ void dot_rows(int R, int wtype, const uint8_t* w, const ActRows& a, const int64_
     dot_scalar(R, wtype, w, a, rows, out);
 }
 
-// activation rows per pass over a group of 8 weight rows: as many as the registers hold (AVX-512 has 32 vector
-// registers, AVX2 16); the rows' arithmetic does not depend on it
-int x8_max_rows() { return g_use_vnni ? 8 : 4; }
+// activation rows per pass over a group of 8 packed weight rows or over a Q6_K row: as many as the registers hold
+// (AVX-512 has 32 vector registers, AVX2 16); the rows' arithmetic does not depend on it
+int register_rows() { return g_use_vnni ? 8 : 4; }
 
 #if SC_X86
 template <int R>
 void dot_x8_simd(int wtype, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
     if (g_use_vnni) return x8_vnni::dot_x8<R>(wtype, w, a, rows, out);
-    if constexpr (R <= 4) x8_avx2::dot_x8<R>(wtype, w, a, rows, out);  // (x8_max_rows: never more rows)
+    if constexpr (R <= 4) x8_avx2::dot_x8<R>(wtype, w, a, rows, out);  // (register_rows: never more rows)
 }
 #endif
 
 
-// R <= x8_max_rows() activation rows against one group of an X8 segment: out[r * 8 + c]
+// R <= register_rows() activation rows against one group of an X8 segment: out[r * 8 + c]
 void dot_x8_rows(int R, int wtype, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
 #if SC_X86
     if (g_use_avx2) {
@@ -944,7 +944,6 @@ ActRows quantize_rows(int kind, const float* x, int64_t M, int64_t K, ActBuffers
 
 constexpr int64_t ROW_TILE = 64;  // activation rows kept in cache while a chunk of weight rows passes over them
 constexpr int MAX_R = 8;  // activation rows multiplied with one weight row per pass (its unpacking is shared)
-constexpr int Q6K_MAX_R = 4;  // Q6_K's (x8_kernels.h dot_q6k)
 
 }  // namespace
 
@@ -1035,7 +1034,7 @@ int sc_linear(const ScLinear* w, const float* x, int64_t M, float* y, int64_t ld
                 const bool x8 = wt >= X8;
                 const int64_t first = x8 ? col0[seg] + (n - col0[seg]) / 8 * 8 : n;
                 const int64_t end = x8 ? std::min({n1, first + 8, col0[seg + 1]}) : n + 1;
-                const int width = x8 ? 8 : 1, max_r = x8 ? x8_max_rows() : (wt == Q6_K ? Q6K_MAX_R : MAX_R);
+                const int width = x8 ? 8 : 1, max_r = x8 || wt == Q6_K ? register_rows() : MAX_R;
                 const uint8_t* w_at = (const uint8_t*)weights[seg] + (first - col0[seg]) * seg_bytes[seg];
                 for (int64_t m = m0; m < m1; m += max_r) {
                     const int R = (int)std::min<int64_t>(max_r, m1 - m);
