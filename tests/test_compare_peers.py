@@ -3,6 +3,7 @@ llama.cpp can load, and llama-cpp-python is optional)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -29,8 +30,6 @@ def test_compare_peers_runs_every_configuration_and_ends_with_the_ratio_line(tin
 
 
 def test_configurations_run_back_to_back_per_prompt_and_take_turns_going_first():
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location("compare_peers", SCRIPT)
     cp = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = cp  # its dataclasses look their module up

@@ -273,7 +273,7 @@ void dot_q4k_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* 
 // waiting on its latency. Rows per call (sc_linear): at most 4 in AVX2's 16 registers (8 ran out of them: one thread,
 // an 84 MB matrix, 22 ms for 8 rows, 8.3 for 4), 8 in AVX-512's 32, which share the unpacking of a block among 8
 // rows: one thread, a 90 MB matrix, 8 rows 14.9-15.2 ms in one pass against 15.6-15.8 in two of 4; 2 threads, 316 MB,
-// 26.2-26.6 against 27.7-28.6.
+// 25.6-26.6 against 27.7-28.6.
 template <int R, int A = (R >= 4 ? 1 : 4 / R)>
 void dot_q6k(const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
     const int64_t K = a.K, nb = K / 256;
