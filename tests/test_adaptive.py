@@ -114,16 +114,41 @@ def test_cost_interpolates_between_points_and_extrapolates_past_the_last():
     assert single(3) == pytest.approx(6.0)
 
 
-def test_cost_online_update_is_an_ema_and_shifts_unseen_rows():
+def test_cost_online_update_is_a_mean_with_the_curve_until_it_is_an_ema():
+    """The first steps at a row count correct the calibration at once (it may come from another phase of the
+    machine); later ones are an EMA, so one disturbed step cannot move the estimate far."""
     costs = CostModel()
     costs.set_points({1: 1.0, 4: 1.3})
     costs.observe(2, 2.1)
-    ema = verify_costs.COST_EMA
-    assert costs(2) == pytest.approx(1.1 + ema * (2.1 - 1.1))
-    assert costs(3) == pytest.approx(1.2 + ema * (2.1 - 1.1))  # unseen: the curve plus the mean gap
+    assert costs(2) == pytest.approx((1.1 + 2.1) / 2)  # the curve counts as one sample
+    costs.observe(2, 2.1)
+    assert costs(2) == pytest.approx((1.1 + 2 * 2.1) / 3)
     for _ in range(200):
         costs.observe(2, 2.1)
     assert costs(2) == pytest.approx(2.1)
+    costs.observe(2, 3.1)
+    assert costs(2) == pytest.approx(2.1 + verify_costs.COST_EMA * 1.0)
+
+
+def test_unseen_rows_take_the_gap_at_the_nearest_observed_rows():
+    costs = CostModel()
+    costs.set_points({1: 1.0, 4: 1.3, 8: 2.1})
+    assert costs(3) == pytest.approx(1.2)  # nothing observed: the curve
+    costs.observe(1, 1.4)  # 1.2: 0.2 above the curve
+    assert costs(3) == pytest.approx(1.2 + 0.2)  # beyond the observed rows: the nearest one's gap
+    costs.observe(4, 0.9)  # the mean of 1.5 (the curve moved by that gap) and 0.9: 0.1 below the curve
+    assert costs(2) == pytest.approx(1.1 + 0.2 - 0.3 / 3)  # between: interpolated
+    assert costs(8) == pytest.approx(2.1 - 0.1)
+
+
+def test_cold_copies_share_the_calibration():
+    """A renewed session's cost model (cold) that calibrates calibrates the engine's, so the next renewal does not
+    time forwards again inside its first request."""
+    costs = CostModel()
+    cold = costs.cold()
+    cold.set_points({1: 1.0, 2: 1.5})
+    cold.observe(2, 2.5)
+    assert costs.calibrated and costs(2) == 1.5 and costs.cold()(2) == 1.5  # the steps' lessons stay apart
 
 
 def test_draft_cost_is_seconds_per_produced_token():
@@ -187,8 +212,9 @@ def test_calibration_keeps_the_fastest_of_its_repetitions(tiny_model_path, monke
 
 
 def test_calibration_is_cached_per_model_and_settings(tiny_model_path, tmp_path, monkeypatch):
-    """A second engine on the same model file and settings reads the curve instead of timing forwards; another
-    sequence count or kernel build calibrates anew; an unreadable cache file is only a reason to calibrate."""
+    """A second engine on the same model file and settings reads the curve and times only the short verifies again
+    (re-anchoring the rest); another sequence count or kernel build calibrates anew; an unreadable cache file is
+    only a reason to calibrate."""
     cache = tmp_path / "verify-cost.json"
     monkeypatch.setattr("spec_cli.engine.verify_cost_cache", lambda: cache)
 
@@ -204,9 +230,19 @@ def test_calibration_is_cached_per_model_and_settings(tiny_model_path, tmp_path,
     first = calibrated(1)
     assert len(json.loads(cache.read_text())) == 1
     real_timer = verify_costs.time_forwards
-    monkeypatch.setattr(verify_costs, "time_forwards", lambda *a, **k: pytest.fail("timed forwards despite the cache"))
+    timed: list[int] = []
+
+    def fake_timer(ctx, seq, ks, repetitions, rng, sync):  # 1 ms per row: the machine in another phase
+        timed.extend(ks)
+        return {k: [k * 1_000_000] * repetitions for k in ks}
+
+    monkeypatch.setattr(verify_costs, "time_forwards", fake_timer)
     again = calibrated(1)
-    assert (again.rows, again.seconds) == (first.rows, first.seconds)
+    assert set(timed) == set(verify_costs.REFRESH_ROWS)  # only the short verifies are timed again
+    assert again.rows == first.rows and len(json.loads(cache.read_text())) == 1  # the cached curve is kept
+    assert [again(k) for k in verify_costs.REFRESH_ROWS] == pytest.approx([0.001, 0.002, 0.003, 0.004])
+    gap = 0.004 - first(4)  # longer verifies move with the longest one timed again
+    assert [again(k) for k in (8, 16)] == pytest.approx([first(8) + gap, first(16) + gap])
     monkeypatch.setattr(verify_costs, "time_forwards", real_timer)
     assert calibrated(2).rows[-1] == 32 and len(json.loads(cache.read_text())) == 2
     monkeypatch.setattr(kernels, "_BUILD", "rebuilt")  # other kernels, other speeds: timed again
@@ -658,7 +694,7 @@ def test_a_renewed_session_plans_from_the_calibration_alone(tiny_model_path, tin
     assert costs.calibrated and costs.observed
     renewed = session.renew(types=["ngram-simple"])
     cold = renewed.engine.costs
-    assert cold is not costs and cold.observed == {} and cold.offset == 0.0
+    assert cold is not costs and cold.observed == {} and cold.n_observed == {}
     assert (cold.rows, cold.seconds, cold.cache) == (costs.rows, costs.seconds, costs.cache)
     assert renewed.chain.planner.costs is cold
     assert renewed.engine.ctx is session.engine.ctx  # the same models and caches

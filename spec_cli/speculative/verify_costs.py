@@ -21,6 +21,9 @@ from spec_cli.context import Context
 
 CALIBRATION_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # sparse: interpolation fills the gaps
 MULTI_SEQ_ROWS = (24, 32)  # several sequences pad the verify batch to G * (1 + longest draft)
+# Timed again in every process that reads a cached calibration (~0.4 s on qwen2.5-coder-1.5b, 2 threads): the VM's
+# phase changes the curve's shape, and the short verifies are where a draft model's worth is decided.
+REFRESH_ROWS = (1, 2, 3, 4)
 # Timed forwards per row count, the fastest kept: a calibration is cached and used by every later command, and the
 # online refinement never corrects the 1-row cost while every step drafts; with 2, a 1.5b 1-row forward disturbed
 # twice read 36.5 ms instead of 28-29, so one-token drafts at 45 % acceptance looked worth it (0.82x of plain).
@@ -55,16 +58,25 @@ class CostModel:
 
     Calibrated once, at the first step that needs it, by timing target forwards of CALIBRATION_ROWS rows at the
     depth of a real sequence (the minimum of 2), linear between points and extrapolated past the last.
-    Refined online: each step's measured time updates an EMA for its row count. Row counts not seen yet use the
-    curve plus the EMA of the gap between observed and calibrated times, i.e. what the bare forward does not see
-    (verification, rollback, draft-simple mirroring the batch on the draft model, a busier machine)."""
+    Refined online: each step's measured time updates an estimate for its row count, the mean of the curve's value
+    (as one sample) and the steps seen so far until that is an EMA at COST_EMA. Row counts not seen yet use the curve
+    plus the gap between observed and calibrated times at the nearest observed row counts (interpolated between
+    them), i.e. what the bare forward does not see (verification, rollback, draft-simple mirroring the batch on the
+    draft model, a busier machine) and how the machine's phase bends the curve.
+    Why the early steps weigh so much: a calibration is cached and taken in whatever phase this VM was in, and the
+    phases differ in shape, not only in level (qwen2.5-coder-1.5b, 2 threads: 1/2/3 rows 23.4/35.0/46.0 ms in one,
+    35.2/39.6/37.4 in another). With the first shape and a weight of 0.1 per step, one 2-row probe at the real
+    31 ms left the estimate at 37 ms: draft-simple, 98 % right on code edits, was dropped for the whole request
+    (0.97x of plain against 1.35x with the other calibration, same runs)."""
 
     def __init__(self, cache: Path | None = None) -> None:
         self.cache = cache  # JSON file of earlier calibrations (a command's startup would pay ~3 s on a 1.5B model)
-        self.rows: list[int] = []  # calibration points, ascending
+        # Calibration points, ascending: the same lists in every cold() copy, so whichever copy calibrates first
+        # calibrates them all (a renewed session would otherwise time the refresh again for every request).
+        self.rows: list[int] = []
         self.seconds: list[float] = []
-        self.observed: dict[int, float] = {}
-        self.offset = 0.0
+        self.observed: dict[int, float] = {}  # rows -> the online estimate
+        self.n_observed: dict[int, int] = {}
 
     @property
     def calibrated(self) -> bool:
@@ -73,21 +85,27 @@ class CostModel:
     def calibrate(self, ctx: Context, seq: int) -> None:
         """Time forwards on `seq` after the cells it holds (removed again); rows that do not fit are extrapolated.
         A calibration of the same model file, weights, device, threads, sequence count, torch and kernel build is
-        read from the cache instead (the online refinement corrects what differs now, e.g. the machine's load)."""
+        read from the cache instead, and re-anchored to forwards of REFRESH_ROWS rows timed now: the rest of the
+        curve moves by the gap at the nearest of them (as unseen row counts do online)."""
         key = _calibration_key(ctx)
         cached = _read_cache(self.cache).get(key) if self.cache and key else None
-        if cached:
-            self.set_points({int(k): v for k, v in cached.items()})
-            return
         room = min(ctx.n_ctx_seq - ctx.lengths[seq], ctx.n_batch)
-        ks = [k for k in CALIBRATION_ROWS + (MULTI_SEQ_ROWS if ctx.n_seq > 1 else ()) if k <= room]
+        ks = REFRESH_ROWS if cached else CALIBRATION_ROWS + (MULTI_SEQ_ROWS if ctx.n_seq > 1 else ())
+        ks = [k for k in ks if k <= room]
         sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
         rng = random.Random(0)
         # One 1-row warmup is enough: the prompt was just prefilled, and on the CPU no row count's first forward is
         # slower than its second there (qwen2.5-coder-0.5b, 1 thread); the minimum drops disturbed samples.
         time_forwards(ctx, seq, ks[:1], 1, rng, sync)
         samples = time_forwards(ctx, seq, ks, CALIBRATION_REPS, rng, sync)
-        self.set_points({k: min(ns) / 1e9 for k, ns in samples.items()})
+        timed = {k: min(ns) / 1e9 for k, ns in samples.items()}
+        if cached:
+            self.set_points({int(k): v for k, v in cached.items()})
+            self.observed = timed  # read the re-anchored curve off the online estimate, as if these were steps
+            self.set_points({k: self(k) for k in {*self.rows, *timed}})
+            self.observed = {}
+            return
+        self.set_points(timed)
         full = len(ks) == len(CALIBRATION_ROWS) + (len(MULTI_SEQ_ROWS) if ctx.n_seq > 1 else 0)
         if self.cache and key and full:  # a curve cut short by a small context is not kept
             _write_cache(self.cache, key, dict(zip(self.rows, self.seconds)))
@@ -95,16 +113,27 @@ class CostModel:
     def cold(self) -> CostModel:
         """The calibration alone, without what the steps since taught it: what a new process plans with."""
         fresh = CostModel(self.cache)
-        fresh.set_points(dict(zip(self.rows, self.seconds)))
+        fresh.rows, fresh.seconds = self.rows, self.seconds
         return fresh
 
     def set_points(self, seconds_by_rows: dict[int, float]) -> None:
-        self.rows = sorted(seconds_by_rows)
-        self.seconds = [seconds_by_rows[k] for k in self.rows]
+        self.rows[:] = sorted(seconds_by_rows)
+        self.seconds[:] = [seconds_by_rows[k] for k in self.rows]
 
     def __call__(self, rows: int) -> float:
         seen = self.observed.get(rows)
-        return seen if seen is not None else self.curve(rows) + self.offset
+        return seen if seen is not None else self.curve(rows) + self.gap(rows)
+
+    def gap(self, rows: int) -> float:
+        """Observed minus calibrated time, interpolated between the nearest observed row counts (the nearest one's
+        beyond them); 0 before any step."""
+        seen = sorted(self.observed)
+        if not seen:
+            return 0.0
+        i = bisect.bisect_left(seen, rows)
+        lo, hi = seen[max(i - 1, 0)], seen[min(i, len(seen) - 1)]
+        gap_lo, gap_hi = (self.observed[k] - self.curve(k) for k in (lo, hi))
+        return gap_lo if hi == lo else gap_lo + (gap_hi - gap_lo) * (rows - lo) / (hi - lo)
 
     def curve(self, rows: int) -> float:
         """The calibrated time: linear between points, along the last segment past the last point (proportional
@@ -119,9 +148,10 @@ class CostModel:
         return ys[i - 1] + slope * (rows - xs[i - 1])
 
     def observe(self, rows: int, seconds: float) -> None:
+        n = self.n_observed.get(rows, 0) + 1
         prior = self(rows)
-        self.offset += COST_EMA * (seconds - self.curve(rows) - self.offset)
-        self.observed[rows] = prior + COST_EMA * (seconds - prior)
+        self.observed[rows] = prior + max(1 / (n + 1), COST_EMA) * (seconds - prior)
+        self.n_observed[rows] = n
 
 
 CACHE_ENTRIES = 32  # calibrations kept, newest last
