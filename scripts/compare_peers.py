@@ -192,10 +192,12 @@ def main() -> None:
     has_llama_cpp = importlib.util.find_spec("llama_cpp") is not None
     if has_llama_cpp and not args.no_llama_cpp:
         eog = set(engine.tokenizer.eog_ids)
-        configs.append(Config("llama.cpp", "plain", llama_cpp_runner(model_path, args.threads, 4096, args.n_gen, eog,
+        # the lookup worker keeps n_ctx rows of logits (150k floats each for qwen): a context just long enough
+        n_ctx = max(map(len, prompts)) + args.n_gen + 16
+        configs.append(Config("llama.cpp", "plain", llama_cpp_runner(model_path, args.threads, n_ctx, args.n_gen, eog,
                                                                      lookup=False)))
         configs.append(Config("llama.cpp", "prompt lookup (10)", llama_cpp_runner(
-            model_path, args.threads, 4096, args.n_gen, eog, lookup=True)))
+            model_path, args.threads, n_ctx, args.n_gen, eog, lookup=True)))
 
     measure(configs, prompts, args.rounds)
     report(configs, args, prompt_set.name, len(prompts), has_llama_cpp)

@@ -22,8 +22,10 @@ def main() -> None:
     threads, n_gen = int(threads), int(n_gen)
     eog_ids = {int(t) for t in eog.split(",") if t}
     draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if lookup == "1" else None
+    # with a draft model llama-cpp-python keeps every position's logits but sizes that buffer for n_batch rows
+    # unless logits_all is asked for: a prompt plus its generation past 512 tokens failed ("could not broadcast")
     llm = Llama(model_path=model, n_ctx=int(n_ctx), n_threads=threads, n_threads_batch=threads, verbose=False,
-                draft_model=draft)
+                draft_model=draft, logits_all=draft is not None)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         prompt = json.loads(line)
