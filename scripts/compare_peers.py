@@ -192,7 +192,8 @@ def main() -> None:
     has_llama_cpp = importlib.util.find_spec("llama_cpp") is not None
     if has_llama_cpp and not args.no_llama_cpp:
         eog = set(engine.tokenizer.eog_ids)
-        # the lookup worker keeps n_ctx rows of logits (150k floats each for qwen): a context just long enough
+        # the lookup worker keeps n_ctx rows of logits (150k floats each for qwen): a context just long enough (16
+        # past the generation: a lookup step may evaluate its 10 draft tokens beyond the last one kept)
         n_ctx = max(map(len, prompts)) + args.n_gen + 16
         configs.append(Config("llama.cpp", "plain", llama_cpp_runner(model_path, args.threads, n_ctx, args.n_gen, eog,
                                                                      lookup=False)))
