@@ -45,6 +45,7 @@ from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.chain import parse_spec_types
 from spec_cli.speculative.stats import DrafterStats
 
+LOOKUP_DRAFT = 10  # tokens llama.cpp's prompt lookup drafts per step (LlamaPromptLookupDecoding's num_pred_tokens)
 DEFAULT_SPECS = ("ngram-mod:16", "draft-simple:16", "ngram-mod,draft-simple:16",
                  "ngram-mod:auto", "draft-simple:auto", "ngram-mod,draft-simple:auto")
 
@@ -118,12 +119,12 @@ def parse_spec(text: str) -> tuple[list[str], int | str]:
 
 
 def llama_cpp_runner(model_path: str, threads: int, n_ctx: int, n_gen: int, eog: set[int],
-                     lookup: bool) -> Callable[[list[int]], Run]:
+                     lookup: int) -> Callable[[list[int]], Run]:
     """llama.cpp in a worker process of its own (scripts/llama_cpp_worker.py: OpenMP defaults, no torch)."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     worker = subprocess.Popen(
         [sys.executable, str(Path(__file__).with_name("llama_cpp_worker.py")), model_path, str(n_ctx), str(threads),
-         str(n_gen), "1" if lookup else "0", ",".join(map(str, sorted(eog)))],
+         str(n_gen), str(lookup), ",".join(map(str, sorted(eog)))],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     if not json.loads(worker.stdout.readline() or "{}").get("ready"):
         raise SystemExit("the llama.cpp worker did not start (see its error above)")
@@ -192,13 +193,13 @@ def main() -> None:
     has_llama_cpp = importlib.util.find_spec("llama_cpp") is not None
     if has_llama_cpp and not args.no_llama_cpp:
         eog = set(engine.tokenizer.eog_ids)
-        # the lookup worker keeps n_ctx rows of logits (150k floats each for qwen): a context just long enough (16
-        # past the generation: a lookup step may evaluate its 10 draft tokens beyond the last one kept)
-        n_ctx = max(map(len, prompts)) + args.n_gen + 16
+        # the lookup worker keeps n_ctx rows of logits (150k floats each for qwen): a context just long enough, with
+        # room for a lookup step's drafts past the last token kept (llama-cpp-python would cut them to fit)
+        n_ctx = max(map(len, prompts)) + args.n_gen + LOOKUP_DRAFT
         configs.append(Config("llama.cpp", "plain", llama_cpp_runner(model_path, args.threads, n_ctx, args.n_gen, eog,
-                                                                     lookup=False)))
-        configs.append(Config("llama.cpp", "prompt lookup (10)", llama_cpp_runner(
-            model_path, args.threads, n_ctx, args.n_gen, eog, lookup=True)))
+                                                                     lookup=0)))
+        configs.append(Config("llama.cpp", f"prompt lookup ({LOOKUP_DRAFT})", llama_cpp_runner(
+            model_path, args.threads, n_ctx, args.n_gen, eog, lookup=LOOKUP_DRAFT)))
 
     measure(configs, prompts, args.rounds)
     report(configs, args, prompt_set.name, len(prompts), has_llama_cpp)
