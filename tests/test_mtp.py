@@ -490,6 +490,10 @@ def test_mtp_train_command_writes_a_loadable_head(capsys, monkeypatch, tiny_mode
     assert code == 0, err
     result = json.loads(out)
     assert result["steps"] == 3 and Path(result["out_path"]) == out_path
+    # stderr is not a terminal here (as in a log file): a line per tenth of each stage, not rich's bars at the end
+    lines = [line.split(" (")[0] for line in err.splitlines() if line.startswith(("generate ", "train ", "eval "))]
+    assert lines[-5:] == ["train 1/3", "train 2/3", "train 3/3", "eval 0/1", "eval 1/1"], err
+    assert "acceptance" in err.splitlines()[-1] and "loss" in err and "━" not in err
     head = load_mtp_head(load_model(out_path, device="cpu"))
     assert head is not None and head.draft_vocab.shape == (50,)
     code, _, err = cli(capsys, monkeypatch, "mtp-train", "-m", str(tiny_model_path), "-o", str(out_path),

@@ -8,6 +8,7 @@ Examples:
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -70,20 +71,43 @@ def mtp_train(
     fast_bf16 = parse_device(device).type != "cpu" or cpu_bf16_is_fast()
     loaded = load_model(resolve(model), device, dtype="bf16" if fast_bf16 else "f32")
     with Progress(TextColumn("{task.description:<13}"), BarColumn(bar_width=24), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=stderr) as bars:
+                  TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=stderr,
+                  disable=not stderr.is_terminal) as bars:
         tasks: dict[str, int] = {}
+        lines = LogLines()
 
         def progress(p: TrainProgress) -> None:
             if p.stage not in tasks:
                 tasks[p.stage] = bars.add_task(p.stage, total=p.total, info="")
             info = "  ".join(f"{k} {v:.3f}" for k, v in p.info.items())
             bars.update(tasks[p.stage], completed=p.done, total=p.total, info=info)
+            if not stderr.is_terminal:
+                lines.report(p, info)
 
         result = train(loaded, output, cfg, progress, resume=resume)
     if json_output:
         print_json(result.to_dict())
     else:
-        stderr.print(summary(result))
+        stderr.print(summary(result), soft_wrap=True)
+
+
+class LogLines:
+    """Progress where stderr is not a terminal (a log file, CI): rich draws its bars only at the end there, and a CPU
+    run takes an hour, so one line per tenth of each stage, with the elapsed time and the stage's latest figures."""
+
+    STEPS = 10
+
+    def __init__(self):
+        self.t0 = time.monotonic()
+        self.shown: dict[str, int] = {}  # stage -> tenths reported
+
+    def report(self, p: TrainProgress, info: str) -> None:
+        tenths = self.STEPS * p.done // max(p.total, 1)
+        if p.stage in self.shown and tenths <= self.shown[p.stage]:
+            return
+        self.shown[p.stage] = tenths
+        stderr.print(f"{p.stage} {p.done}/{p.total} ({time.monotonic() - self.t0:.0f} s) {info}".rstrip(),
+                     markup=False, highlight=False, soft_wrap=True)
 
 
 def summary(result: TrainResult) -> str:
