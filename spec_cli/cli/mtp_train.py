@@ -95,17 +95,17 @@ class LogLines:
     """Progress where stderr is not a terminal (a log file, CI): rich draws its bars only at the end there, and a CPU
     run takes an hour, so one line per tenth of each stage, with the elapsed time and the stage's latest figures."""
 
-    STEPS = 10
+    LINES_PER_STAGE = 10
 
     def __init__(self):
         self.t0 = time.monotonic()
-        self.shown: dict[str, int] = {}  # stage -> tenths reported
+        self.shown: dict[str, int] = {}  # stage -> the last part reported (of LINES_PER_STAGE)
 
     def report(self, p: TrainProgress, info: str) -> None:
-        tenths = self.STEPS * p.done // max(p.total, 1)
-        if p.stage in self.shown and tenths <= self.shown[p.stage]:
+        part = self.LINES_PER_STAGE * p.done // max(p.total, 1)
+        if p.stage in self.shown and part <= self.shown[p.stage]:
             return
-        self.shown[p.stage] = tenths
+        self.shown[p.stage] = part
         stderr.print(f"{p.stage} {p.done}/{p.total} ({time.monotonic() - self.t0:.0f} s) {info}".rstrip(),
                      markup=False, highlight=False, soft_wrap=True)
 
