@@ -1,4 +1,4 @@
-"""Builds spec-cli's C++ CPU kernels (spec_cli/kernels/kernels.cpp) during `pip install`; metadata is in pyproject.toml.
+"""Builds spec-cli's C++ CPU kernels (spec_cli/model/kernels/kernels.cpp) during `pip install`; metadata is in pyproject.toml.
 
 The library is plain C ABI loaded with ctypes (no Python or torch headers, so no build-time torch). It is optional:
 without a compiler the install still succeeds and spec-cli falls back to float32 weights with a warning.
@@ -17,9 +17,9 @@ if platform.machine() in ("x86_64", "AMD64"):
 setup(
     ext_modules=[
         Extension(
-            "spec_cli.kernels._kernels",
-            sources=["spec_cli/kernels/kernels.cpp"],
-            depends=["spec_cli/kernels/x8_kernels.h"],
+            "spec_cli.model.kernels._kernels",
+            sources=["spec_cli/model/kernels/kernels.cpp"],
+            depends=["spec_cli/model/kernels/x8_kernels.h"],
             extra_compile_args=flags,
             extra_link_args=["-pthread"],
             language="c++",

@@ -32,18 +32,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
 import torch
 
-from spec_cli.bench.prompts import load_prompt_set, render_tokens
-from spec_cli.engine import EngineOptions
-from spec_cli.models import resolve_model
-from spec_cli.sampling import SamplingParams
-from spec_cli.session import Session, open_session
+import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
+from spec_cli.model.catalog import resolve_model
+from spec_cli.model.sampling import SamplingParams
+from spec_cli.runtime.engine import EngineOptions
+from spec_cli.runtime.session import Session, open_session
 from spec_cli.speculative.adaptive import draft_bound, parse_draft_max
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.chain import parse_spec_types
 from spec_cli.speculative.stats import DrafterStats
+from spec_cli.text.prompt_sets import load_prompt_set, render_tokens
 
 LOOKUP_DRAFT = 10  # tokens llama.cpp's prompt lookup drafts per step (LlamaPromptLookupDecoding's num_pred_tokens)
 DEFAULT_SPECS = ("ngram-mod:16", "draft-simple:16", "ngram-mod,draft-simple:16",

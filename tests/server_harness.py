@@ -9,12 +9,12 @@ import time
 
 import uvicorn
 
-from spec_cli.engine import EngineOptions
-from spec_cli.generate import generate
-from spec_cli.sampling import SamplingParams
+from spec_cli.model.sampling import SamplingParams
+from spec_cli.runtime.engine import EngineOptions
+from spec_cli.runtime.generate import generate
+from spec_cli.runtime.session import open_session
 from spec_cli.server import ServerSettings, create_app
 from spec_cli.server.serve import GRACE_SECONDS, Server
-from spec_cli.session import open_session
 from spec_cli.speculative.base import SpecParams
 
 N_CTX_SLOT = 256

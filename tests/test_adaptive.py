@@ -11,24 +11,30 @@ from collections import Counter
 import pytest
 from typer.testing import CliRunner
 
-from spec_cli import kernels
-from spec_cli.batch import Batch
 from spec_cli.bench.params import from_flags
 from spec_cli.bench.runner import run_bench
 from spec_cli.cli import app
-from spec_cli.context import Context
-from spec_cli.sampling import SamplingParams
+from spec_cli.model import kernels
+from spec_cli.model.batch import Batch
+from spec_cli.model.context import Context
+from spec_cli.model.sampling import SamplingParams
 from spec_cli.speculative import adaptive, verify_costs
 from spec_cli.speculative.adaptive import (
-    AUTO, AUTO_DRAFT_MAX, FIRST_PROBE_AFTER, PROBE_BUDGET, PROBE_GAP_MAX, PROBE_GAP_MIN, AcceptanceModel, DraftCost,
-    Planner, expected_tokens,
+    AUTO,
+    AUTO_DRAFT_MAX,
+    FIRST_PROBE_AFTER,
+    PROBE_BUDGET,
+    PROBE_GAP_MAX,
+    PROBE_GAP_MIN,
+    AcceptanceModel,
+    DraftCost,
+    Planner,
+    expected_tokens,
 )
-from spec_cli.speculative.verify_costs import CostModel
 from spec_cli.speculative.chain import Chain
+from spec_cli.speculative.verify_costs import CostModel
 from tests.test_bench_run import prompt_file, tiny  # noqa: F401 (fixture)
 from tests.test_cli import PROMPT, cli
-from tests.test_generate_sampling import exact_two_token_distribution
-from tests.tiny_mtp import write_tiny_mtp_gguf
 from tests.test_generate import (  # noqa: F401 (plain_outputs is a fixture)
     GREEDY,
     N_PREDICT,
@@ -38,6 +44,8 @@ from tests.test_generate import (  # noqa: F401 (plain_outputs is a fixture)
     plain_outputs,
     run,
 )
+from tests.test_generate_sampling import exact_two_token_distribution
+from tests.tiny_mtp import write_tiny_mtp_gguf
 
 
 def flat(seconds: float = 1.0) -> CostModel:
@@ -216,7 +224,7 @@ def test_calibration_is_cached_per_model_and_settings(tiny_model_path, tmp_path,
     (re-anchoring the rest); another sequence count or kernel build calibrates anew; an unreadable cache file is
     only a reason to calibrate."""
     cache = tmp_path / "verify-cost.json"
-    monkeypatch.setattr("spec_cli.engine.verify_cost_cache", lambda: cache)
+    monkeypatch.setattr("spec_cli.runtime.engine.verify_cost_cache", lambda: cache)
 
     def calibrated(n_seq: int):
         session = make_session(tiny_model_path, n_seq=n_seq)
@@ -621,7 +629,7 @@ def test_catching_up_a_lagging_cache_is_not_priced_as_drafting():
 
 
 def test_per_request_n_max_still_caps_auto(tiny_model_path, plain_outputs, tiled_costs):
-    from spec_cli.generate import SpecOverrides
+    from spec_cli.runtime.generate import SpecOverrides
 
     session = auto_session(tiny_model_path, "ngram-simple", None)
     tiled_costs(session)

@@ -9,7 +9,7 @@ import pytest
 from gguf import GGUFWriter
 
 from spec_cli.cli import main
-from spec_cli.loader import layer_devices
+from spec_cli.model.loader import layer_devices
 
 
 def cli(capsys, monkeypatch, *args: str) -> tuple[int, str, str]:
@@ -67,7 +67,7 @@ def shrink_tensor(src, dst, name: str) -> None:
 
 @pytest.mark.parametrize("last", [False, True])
 def test_tensor_shape_that_disagrees_with_its_data(capsys, monkeypatch, tmp_path, tiny_model_path, last):
-    from spec_cli.gguf_file import GGUFFile
+    from spec_cli.model.gguf_file import GGUFFile
 
     name = list(GGUFFile(tiny_model_path).tensors)[-1] if last else "blk.0.attn_q.weight"
     shrunk = tmp_path / "shrunk.gguf"

@@ -1,4 +1,4 @@
-"""Batch invariance of the default CPU path (GGUF blocks kept quantized, spec_cli/kernels): a sequence's float32
+"""Batch invariance of the default CPU path (GGUF blocks kept quantized, spec_cli/model/kernels): a sequence's float32
 logits are BIT-identical (torch.equal) however its rows are batched:
 
 (i)   prefill one row at a time == the whole prompt in one decode == decodes of 3 rows == 3-row ubatches;
@@ -23,11 +23,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from spec_cli import kernels
-from spec_cli.batch import Batch
-from spec_cli.context import Context
-from spec_cli.loader import load_model
-from spec_cli.qlinear import QLinear
+from spec_cli.model import kernels
+from spec_cli.model.batch import Batch
+from spec_cli.model.context import Context
+from spec_cli.model.loader import load_model
+from spec_cli.model.qlinear import QLinear
 from tests.tiny_gguf import K_DIMS, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the compiled kernels were not built")

@@ -10,15 +10,15 @@ from spec_cli.bench.params import (
     chain_types,
     from_flags,
     instances,
-    parse_gpu_layers_list,
     parse_flash_attn,
+    parse_gpu_layers_list,
     parse_int_list,
     parse_pairs,
     parse_spec_chains,
     parse_values,
 )
 from spec_cli.errors import UsageError
-from spec_cli.models import load_registry
+from spec_cli.model.catalog import load_registry
 from spec_cli.speculative.chain import parse_spec_types
 
 

@@ -14,14 +14,14 @@ from typer.testing import CliRunner
 from spec_cli.bench import runner as runner_module
 from spec_cli.bench.params import BenchParams, from_flags, parse_spec_chains
 from spec_cli.bench.printers import format_md
-from spec_cli.bench.prompts import BUILTIN_SETS, load_prompt_set, render_tokens
 from spec_cli.bench.runner import Progress, run_bench
 from spec_cli.bench.verify_cost import break_even_acceptance, expected_length
 from spec_cli.cli import app
-from spec_cli.context import Context
 from spec_cli.errors import SpecCliError, UsageError
-from spec_cli.gguf_file import GGUFFile
-from spec_cli.tokenizer import Tokenizer
+from spec_cli.model.context import Context
+from spec_cli.model.gguf_file import GGUFFile
+from spec_cli.text.prompt_sets import BUILTIN_SETS, load_prompt_set, render_tokens
+from spec_cli.text.tokenizer import Tokenizer
 from tests.test_lookup_cli import cli
 from tests.tiny_mtp import write_tiny_mtp_gguf
 

@@ -7,10 +7,10 @@ from datetime import datetime
 
 import pytest
 
-from spec_cli import chat
-from spec_cli.chat import BUILTIN_TEMPLATES, render_chat, resolve_template
 from spec_cli.errors import SpecCliError
-from spec_cli.tokenizer import Tokenizer
+from spec_cli.text import chat
+from spec_cli.text.chat import BUILTIN_TEMPLATES, render_chat, resolve_template
+from spec_cli.text.tokenizer import Tokenizer
 from tests.tiny_vocab import tiny_bpe_metadata
 
 CHAT = [

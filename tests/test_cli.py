@@ -13,11 +13,11 @@ import torch
 
 from spec_cli.cli import main
 from spec_cli.cli.run import chat_loop
-from spec_cli.engine import EngineOptions
 from spec_cli.errors import UsageError
+from spec_cli.model.sampling import SamplingParams
 from spec_cli.options import NO_EFFECT, parse_gpu_layers
-from spec_cli.sampling import SamplingParams
-from spec_cli.session import open_session
+from spec_cli.runtime.engine import EngineOptions
+from spec_cli.runtime.session import open_session
 
 PROMPT = "abc abc abc abc abc abc abc abc"
 
@@ -117,7 +117,7 @@ def tiny_registry(tmp_path, monkeypatch, tiny_model_path, tiny_draft_path):
         toml += (f'[models.{name}]\narch = "llama"\nsize = {path.stat().st_size}\nsha256 = "{"0" * 64}"\n{extra}'
                  'packages = [{ name = "unused", version = "1", member = "unused" }]\n')
     (tmp_path / "models.toml").write_text(toml)
-    monkeypatch.setattr("spec_cli.models.REGISTRY_PATH", tmp_path / "models.toml")
+    monkeypatch.setattr("spec_cli.model.catalog.REGISTRY_PATH", tmp_path / "models.toml")
     monkeypatch.setenv("SPEC_CLI_CACHE", str(tmp_path / "cache"))
 
 

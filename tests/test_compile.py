@@ -1,4 +1,4 @@
-"""--compile (spec_cli/compiled.py): the decode/verify step compiled with torch.compile gives what eager gives.
+"""--compile (spec_cli/model/compiled.py): the decode/verify step compiled with torch.compile gives what eager gives.
 
 On the default CPU path (quantized weights, the C++ blocks as the custom op spec_cli::blocks) the logits are
 BIT-identical to eager and stay batch-invariant compiled: every row of 4 sequences decoded together in verify
@@ -22,14 +22,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from spec_cli import kernels
-from spec_cli.batch import Batch
-from spec_cli.context import Context
-from spec_cli.engine import EngineOptions
-from spec_cli.generate import generate
-from spec_cli.loader import load_model
-from spec_cli.sampling import SamplingParams
-from spec_cli.session import open_session
+from spec_cli.model import kernels
+from spec_cli.model.batch import Batch
+from spec_cli.model.context import Context
+from spec_cli.model.loader import load_model
+from spec_cli.model.sampling import SamplingParams
+from spec_cli.runtime.engine import EngineOptions
+from spec_cli.runtime.generate import generate
+from spec_cli.runtime.session import open_session
 from spec_cli.speculative.base import SpecParams
 from tests.tiny_gguf import write_tiny_gguf
 
@@ -121,7 +121,7 @@ def test_quantized_path_compiled_logits_are_bit_identical_and_batch_invariant(q_
 def test_bucket_padding_keeps_the_quantized_logits(q_model):
     """The CUDA graphs' padded shapes (groups 3 -> 4, rows 3 -> 4, keys to a power of two), run on the CPU: padded
     rows are never written and the kernels compute each row alone, so the logits are still eager's bits."""
-    from spec_cli.compiled import CompiledStep
+    from spec_cli.model.compiled import CompiledStep
 
     lm, refs = q_model
     ctx = Context(lm, n_ctx=4 * 64, n_seq=4)
@@ -136,9 +136,9 @@ def test_cuda_graph_step_layout_keeps_the_logits(tiny_model_path):
     the static index buffer, padded rows writing the cell after their sequence's last row, the logits computed in
     the step for every padded row and gathered, and a step that fills a sequence's context (sequence 0's last rows:
     its padded rows write the spare cell) give each sequence's eager logits (up to float sums over padded shapes)."""
-    from spec_cli import compiled
-    from spec_cli.compiled import CompiledStep
-    from spec_cli.cuda_graphs import StepGraphs
+    from spec_cli.model import compiled
+    from spec_cli.model.compiled import CompiledStep
+    from spec_cli.model.cuda_graphs import StepGraphs
 
     lm = load_model(tiny_model_path, device="cpu", dtype="f32")
     refs = [one_row_at_a_time(lm, p + [1, 2, 3, 4]) for p in PROMPTS]

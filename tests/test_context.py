@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spec_cli.batch import Batch
-from spec_cli.context import Context
 from spec_cli.errors import SpecCliError
-from spec_cli.loader import load_model
+from spec_cli.model.batch import Batch
+from spec_cli.model.context import Context
+from spec_cli.model.loader import load_model
 
 TOKENS = [5, 17, 42, 99, 7, 250, 31, 64, 12, 200, 3, 77, 150, 9, 88, 120, 45, 66, 230, 11]
 ATOL = 1e-4

@@ -7,10 +7,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from spec_cli.loader import load_model
+from spec_cli.model.loader import load_model
 from spec_cli.speculative import draft_vocab
 from spec_cli.speculative.draft_vocab import DraftVocab
-from spec_cli.tokenizer import common_tokens
+from spec_cli.text.tokenizer import common_tokens
 from tests.tiny_gguf import write_tiny_gguf
 
 

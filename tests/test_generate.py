@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from spec_cli.engine import EngineOptions
-from spec_cli.generate import SpecOverrides, generate
-from spec_cli.sampling import SamplingParams
-from spec_cli.session import open_session
+from spec_cli.model.sampling import SamplingParams
+from spec_cli.runtime.engine import EngineOptions
+from spec_cli.runtime.generate import SpecOverrides, generate
+from spec_cli.runtime.session import open_session
 from spec_cli.speculative import draft_model
 from spec_cli.speculative.base import SpecParams
 
@@ -153,8 +153,8 @@ def test_a_small_draft_vocabulary_keeps_greedy_output_and_drafts_every_token_it_
 def test_a_short_lag_is_decoded_with_the_seed_row_and_a_long_one_caught_up_apart(tiny_model_path):
     """The rows every step adds (accepted tokens) go into draft()'s seed batch, priced as drafting; only a cache
     more than CATCH_UP_MIN rows behind is caught up apart (catch_up, unpriced)."""
-    from spec_cli.context import Context
-    from spec_cli.loader import load_model
+    from spec_cli.model.context import Context
+    from spec_cli.model.loader import load_model
     from spec_cli.speculative.base import DraftParams
 
     ctx = Context(load_model(tiny_model_path, device="cpu"), n_ctx=256)
@@ -182,9 +182,9 @@ def test_process_catches_up_settled_rows_only(tiny_model_path, monkeypatch):
     """`process` catching a draft cache up (more than DEFER_MAX rows behind) stops at a target batch's first row with
     logits: a prompt's rows are all settled, a verify batch's rows after id_last hold another drafter's tokens the
     target may still reject."""
-    from spec_cli.batch import Batch
-    from spec_cli.context import Context
-    from spec_cli.loader import load_model
+    from spec_cli.model.batch import Batch
+    from spec_cli.model.context import Context
+    from spec_cli.model.loader import load_model
 
     monkeypatch.setattr(draft_model, "DEFER_MAX", 0)
     ctx = Context(load_model(tiny_model_path, device="cpu"), n_ctx=256)
@@ -205,9 +205,9 @@ def test_process_catches_up_settled_rows_only(tiny_model_path, monkeypatch):
 def test_an_idle_draft_model_is_not_prefilled_and_restarts_from_a_window(tiny_model_path, monkeypatch):
     """A sequence not asked for drafts stops being prefilled; asked again far behind, its draft cache restarts from
     the last RESTART_WINDOW committed tokens, and drafting goes on from there at shifted draft positions."""
-    from spec_cli.batch import Batch
-    from spec_cli.context import Context
-    from spec_cli.loader import load_model
+    from spec_cli.model.batch import Batch
+    from spec_cli.model.context import Context
+    from spec_cli.model.loader import load_model
     from spec_cli.speculative.base import DraftParams
 
     monkeypatch.setattr(draft_model, "RESTART_WINDOW", 8)

@@ -11,9 +11,9 @@ from collections import Counter
 import pytest
 import torch
 
-from spec_cli.batch import Batch
-from spec_cli.context import Context
-from spec_cli.sampling import Sampler, SamplingParams
+from spec_cli.model.batch import Batch
+from spec_cli.model.context import Context
+from spec_cli.model.sampling import Sampler, SamplingParams
 from tests.test_generate import PROMPTS, make_session, run
 
 HOT = dict(temp=0.8, top_k=40, top_p=0.95, min_p=0.05)

@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (spec_cli/kernels) and the QLinear layers over them (spec_cli/qlinear.py):
+"""The compiled CPU kernels (spec_cli/model/kernels) and the QLinear layers over them (spec_cli/model/qlinear.py):
 
 - for every block type multiplied natively, QLinear(x) is x @ dequantize(W).T up to the 8-bit activation
   quantization (float types: up to float rounding), with the AVX2 and the portable scalar kernels, which agree
@@ -30,13 +30,13 @@ from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as T
 from torch import nn
 
-from spec_cli import kernels, qlinear
-from spec_cli.batch import Batch
-from spec_cli.context import Context
-from spec_cli.loader import load_model
-from spec_cli.model import Transformer, apply_rope, rope_table
-from spec_cli.qlinear import QLinear
-from spec_cli.quants import dequantize
+from spec_cli.model import kernels, qlinear
+from spec_cli.model.batch import Batch
+from spec_cli.model.context import Context
+from spec_cli.model.loader import load_model
+from spec_cli.model.qlinear import QLinear
+from spec_cli.model.quants import dequantize
+from spec_cli.model.transformer import Transformer, apply_rope, rope_table
 from tests.tiny_gguf import K_DIMS, quantizable, random_blocks, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the compiled kernels were not built")
@@ -630,8 +630,8 @@ def test_one_call_for_every_block_equals_a_call_per_block(tmp_path, monkeypatch)
 def test_without_the_library_auto_falls_back_to_float32_and_q_is_an_error(monkeypatch, capsys, tmp_path):
     """A machine that could not build the kernels: `--dtype auto` loads float32 weights and says why (once, on
     stderr); an explicit `--dtype q` is a clear error."""
-    from spec_cli import loader
     from spec_cli.errors import SpecCliError
+    from spec_cli.model import loader
 
     path = write_tiny_gguf(tmp_path / "tiny-q8.gguf", arch="llama", seed=1, qtype=T.Q8_0)
     monkeypatch.setattr(kernels, "_lib", None)

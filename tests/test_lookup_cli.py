@@ -9,15 +9,21 @@ import sys
 
 import pytest
 
-from spec_cli import lookup_offline
-from spec_cli.engine import EngineOptions, build_engine
-from spec_cli.generate import generate
-from spec_cli.lookup import load_tokenizer, open_lookup_session, save_dynamic_cache, tokenize_corpus
-from spec_cli.lookup_offline import build_static_cache
-from spec_cli.sampling import SamplingParams
+from spec_cli.model.sampling import SamplingParams
+from spec_cli.runtime import lookup_offline
+from spec_cli.runtime.engine import EngineOptions, build_engine
+from spec_cli.runtime.generate import generate
+from spec_cli.runtime.lookup import load_tokenizer, open_lookup_session, save_dynamic_cache, tokenize_corpus
+from spec_cli.runtime.lookup_offline import build_static_cache
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.ngram_cache import (
-    NGRAM_MAX, NGRAM_MIN, NGRAM_STATIC, SPEC_N_DRAFT, TOKEN_NULL, NgramCacheDrafter, ngram_cache_update,
+    NGRAM_MAX,
+    NGRAM_MIN,
+    NGRAM_STATIC,
+    SPEC_N_DRAFT,
+    TOKEN_NULL,
+    NgramCacheDrafter,
+    ngram_cache_update,
 )
 from spec_cli.speculative.ngram_cache_file import load_cache, save_cache
 

@@ -15,10 +15,10 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 from typer.testing import CliRunner
 
-from spec_cli import models
 from spec_cli.cli import app
 from spec_cli.errors import SpecCliError
-from spec_cli.gguf_file import GGUFFile
+from spec_cli.model import catalog as models
+from spec_cli.model.gguf_file import GGUFFile
 
 # --- registry ---------------------------------------------------------------------------------------------------
 
@@ -62,7 +62,7 @@ def test_registry_rejects_incomplete_entries(tmp_path):
 
 
 def test_the_registry_is_the_top_level_file_and_a_users_file_extends_it(monkeypatch, tmp_path):
-    """models.toml lives at the repository's top level (spec_cli/models.toml links to it, wheels copy it);
+    """models.toml lives at the repository's top level (spec_cli/model/models.toml links to it, wheels copy it);
     $SPEC_CLI_MODELS adds models and overrides keys; a bad user file is a clear error naming it."""
     top = Path(__file__).resolve().parents[1] / "models.toml"
     assert models.REGISTRY_PATH.resolve() == top

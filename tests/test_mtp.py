@@ -15,23 +15,24 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from spec_cli.batch import Batch
-from spec_cli.context import Context
-from spec_cli.engine import EngineOptions
-from spec_cli.generate import SpecOverrides, generate
-from spec_cli.gguf_file import GGUFFile
-from spec_cli.loader import load_model
-from spec_cli import mtp as mtp_module
-from spec_cli.mtp import load_mtp_head
-from spec_cli.mtp_data import generation_prompts, prompt_set_files, stdlib_documents, token_windows
-from spec_cli.mtp_features import head_forward
-from spec_cli.mtp_train import TrainConfig, draft_vocabulary, train
-from spec_cli.qlinear import QLinear
-from spec_cli.sampling import SamplingParams
-from spec_cli.session import open_session
+from spec_cli.model import mtp_head as mtp_module
+from spec_cli.model.batch import Batch
+from spec_cli.model.context import Context
+from spec_cli.model.gguf_file import GGUFFile
+from spec_cli.model.loader import load_model
+from spec_cli.model.mtp_head import load_mtp_head
+from spec_cli.model.qlinear import QLinear
+from spec_cli.model.sampling import SamplingParams
+from spec_cli.runtime.engine import EngineOptions
+from spec_cli.runtime.generate import SpecOverrides, generate
+from spec_cli.runtime.session import open_session
 from spec_cli.speculative import mtp as mtp_drafter
 from spec_cli.speculative.base import DraftParams, SpecParams
-from spec_cli.tokenizer import Tokenizer
+from spec_cli.text.prompt_sets import quoted_stdlib_files
+from spec_cli.text.tokenizer import Tokenizer
+from spec_cli.train.data import generation_prompts, stdlib_documents, token_windows
+from spec_cli.train.mtp import TrainConfig, draft_vocabulary, train
+from spec_cli.train.mtp_features import head_forward
 from tests.tiny_mtp import write_tiny_mtp_gguf
 
 GREEDY = SamplingParams(temp=0.0)
@@ -425,7 +426,7 @@ def test_draft_vocabulary_is_the_most_frequent_tokens_then_by_id():
 
 def test_training_data_leaves_out_prompt_set_sources(tiny_model_path):
     root = Path(sysconfig.get_paths()["stdlib"]).resolve()
-    excluded = {path.relative_to(root).as_posix() for path in prompt_set_files()}
+    excluded = {path.relative_to(root).as_posix() for path in quoted_stdlib_files()}
     assert excluded, "the built-in prompt sets quote standard-library sources"
     docs = stdlib_documents()
     assert not excluded & {name for name, _ in docs}

@@ -6,8 +6,8 @@ import struct
 import pytest
 
 from spec_cli.errors import SpecCliError
+from spec_cli.runtime.lookup_offline import build_static_cache, lookup_stats
 from spec_cli.speculative.base import DraftParams, SpecParams
-from spec_cli.lookup_offline import build_static_cache, lookup_stats
 from spec_cli.speculative.ngram_cache import NgramCacheDrafter, make_ngram, ngram_cache_draft, ngram_cache_update
 from spec_cli.speculative.ngram_cache_file import load_cache, merge_caches, save_cache
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from spec_cli.bench.params import BenchParams, from_flags
 from spec_cli.cli.options import sampling_params, spec_params
+from spec_cli.model.sampling import SamplingParams
 from spec_cli.options import MODEL, SAMPLING, SPEC, Opt
-from spec_cli.sampling import SamplingParams
 from spec_cli.speculative.base import SpecParams
 
 

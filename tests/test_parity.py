@@ -1,7 +1,7 @@
 """Parity with llama.cpp on the real GGUF models: greedy tokens from tests/reference (llama.cpp via llama-cpp-python).
 
 Both engines multiply the GGUF weight blocks with activations quantized to 8 bits per block (ggml's rule; ours in
-spec_cli/kernels). Bit-exact agreement would need every earlier float operation to match too: any difference flips
+spec_cli/model/kernels). Bit-exact agreement would need every earlier float operation to match too: any difference flips
 some roundings of the 8-bit codes, so the two engines' logits differ by about what that quantization itself costs.
 Measured with scripts/logit_diff.py (teacher-forced, median over positions of the largest |logit difference|):
 0.73 smollm2-135m, 1.35 gemma3-270m, 0.37 qwen2.5-coder-0.5b, 0.49 qwen2.5-coder-1.5b, about the same as between our
@@ -18,13 +18,13 @@ import sys
 import pytest
 import torch
 
-from spec_cli.batch import Batch
-from spec_cli.context import Context
-from spec_cli.engine import EngineOptions
-from spec_cli.generate import generate
-from spec_cli.loader import load_model
-from spec_cli.sampling import SamplingParams
-from spec_cli.session import open_session
+from spec_cli.model.batch import Batch
+from spec_cli.model.context import Context
+from spec_cli.model.loader import load_model
+from spec_cli.model.sampling import SamplingParams
+from spec_cli.runtime.engine import EngineOptions
+from spec_cli.runtime.generate import generate
+from spec_cli.runtime.session import open_session
 from tests.real_models import real_model, reference
 
 CLEAR_MARGIN = 0.5  # llama.cpp logit margin above which we must pick llama.cpp's token

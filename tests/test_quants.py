@@ -1,7 +1,6 @@
-"""Torch dequantization (`spec_cli.quants`) equals the `gguf` package's numpy reference bit for bit."""
+"""Torch dequantization (`spec_cli.model.quants`) equals the `gguf` package's numpy reference bit for bit."""
 
 from __future__ import annotations
-
 
 import gguf.quants
 import numpy as np
@@ -10,10 +9,10 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGUFWriter
 from gguf import GGMLQuantizationType as T
 
-from spec_cli import quants
 from spec_cli.errors import SpecCliError
-from spec_cli.gguf_file import GGUFFile
-from spec_cli.quants import SUPPORTED, dequantize, load_tensor
+from spec_cli.model import quants
+from spec_cli.model.gguf_file import GGUFFile
+from spec_cli.model.quants import SUPPORTED, dequantize, load_tensor
 from tests.real_models import real_model
 
 REQUIRED = {T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from spec_cli.errors import UsageError
-from spec_cli.sampling import Sampler, SamplingParams, apply_penalties, draw
+from spec_cli.model.sampling import Sampler, SamplingParams, apply_penalties, draw
 
 # a chain with every filter off: probs == softmax(logits / temp)
 PLAIN = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "temp": 1.0}

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-import spec_cli.chat
+import spec_cli.text.chat
 from spec_cli.server import ServerSettings
 from tests.server_harness import N_CTX_SLOT, LiveServer, make_session
 
@@ -139,7 +139,7 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(http, srv, e
      "{% endfor %}", "rendering takes more than 0.2 s"),
 ])
 def test_chat_template_failures_are_a_400(srv, settings, monkeypatch, template, needle):
-    monkeypatch.setattr(spec_cli.chat, "MAX_RENDER_SECONDS", 0.2)
+    monkeypatch.setattr(spec_cli.text.chat, "MAX_RENDER_SECONDS", 0.2)
     monkeypatch.setattr(settings, "chat_template", template)
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=30)
     t0 = time.monotonic()

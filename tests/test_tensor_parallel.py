@@ -1,4 +1,4 @@
-"""-tp N (spec_cli/tensor_parallel.py): a target sharded over 2 CPU ranks (gloo) decodes greedily exactly as the
+"""-tp N (spec_cli/model/parallel/tensor_parallel.py): a target sharded over 2 CPU ranks (gloo) decodes greedily exactly as the
 whole target, plain and with a speculative chain (rollback on every shard), 1 and 4 sequences; bad -tp values and
 a killed rank end the command with a one-line error. Each -tp 2 run is a process of its own (one group per
 process): tests/tp_driver.py, or the installed `spec-cli` console script."""
@@ -17,8 +17,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from spec_cli import tp_comm
 from spec_cli.errors import UsageError
+from spec_cli.model.parallel import comm as tp_comm
 from tests.tiny_gguf import K_DIMS, write_tiny_gguf
 from tests.tp_driver import greedy_outputs
 

@@ -9,9 +9,9 @@ from functools import lru_cache
 import pytest
 
 from spec_cli.errors import SpecCliError
-from spec_cli.gguf_file import GGUFFile
-from spec_cli.pretokenize import pre_patterns, pre_tokenize
-from spec_cli.tokenizer import Tokenizer
+from spec_cli.model.gguf_file import GGUFFile
+from spec_cli.text.pretokenize import pre_patterns, pre_tokenize
+from spec_cli.text.tokenizer import Tokenizer
 from tests.real_models import real_model, reference
 from tests.tiny_vocab import tiny_bpe_metadata
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from spec_cli.speculative.base import DraftParams, Drafter
+from spec_cli.speculative.base import Drafter, DraftParams
 from spec_cli.speculative.registry import DrafterInputs, register_drafter
 
 

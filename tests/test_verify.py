@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from spec_cli.errors import UsageError
-from spec_cli.sampling import Sampler, SamplingParams
+from spec_cli.model.sampling import Sampler, SamplingParams
 from spec_cli.speculative.verify import choose_mode, verify_match, verify_rejection
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from spec_cli.errors import UsageError
-from spec_cli.loader import layer_devices, weight_format
+from spec_cli.model.loader import layer_devices, weight_format
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

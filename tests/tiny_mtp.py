@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from spec_cli.gguf_file import GGUFFile
-from spec_cli.mtp import write_gguf_with_head
-from spec_cli.quants import load_tensor
+from spec_cli.model.gguf_file import GGUFFile
+from spec_cli.model.mtp_head import write_gguf_with_head
+from spec_cli.model.quants import load_tensor
 from tests.tiny_gguf import write_tiny_gguf
 
 

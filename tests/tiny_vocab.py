@@ -5,8 +5,8 @@
 
 from __future__ import annotations
 
-from spec_cli.chat import BUILTIN_TEMPLATES
-from spec_cli.pretokenize import BYTE_TO_CHAR
+from spec_cli.text.chat import BUILTIN_TEMPLATES
+from spec_cli.text.pretokenize import BYTE_TO_CHAR
 
 # (left, right) in rank order; "Ġ" is the byte-level space, "Ċ" the newline
 MERGES = [

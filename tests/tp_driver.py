@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import sys
 
-from spec_cli.engine import EngineOptions
-from spec_cli.sampling import SamplingParams
-from spec_cli.session import open_session
+from spec_cli.model.sampling import SamplingParams
+from spec_cli.runtime.engine import EngineOptions
+from spec_cli.runtime.session import open_session
 from spec_cli.speculative.base import SpecParams
 
 # prompts that repeat themselves, so n-gram drafters find matches (token ids of the tiny vocabulary)

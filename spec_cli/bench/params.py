@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 
 from spec_cli.bench import DRAFT_MODEL_FIELDS, NGRAM_FIELDS, SWEPT_CASE_FIELDS
 from spec_cli.errors import UsageError
-from spec_cli.models import registry_entry
+from spec_cli.model.catalog import registry_entry
+from spec_cli.model.compiled import check_mode
 from spec_cli.options import BENCH_OPTIONS, DEFAULT_GPU_LAYERS, parse_gpu_layers
 from spec_cli.speculative.adaptive import AUTO, parse_draft_max
 from spec_cli.speculative.chain import check_select, parse_spec_types
-from spec_cli.compiled import check_mode
 from spec_cli.speculative.mtp import check_rollback
 from spec_cli.speculative.verify import VERIFY_MODES
 

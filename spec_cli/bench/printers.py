@@ -13,7 +13,14 @@ from __future__ import annotations
 import json
 
 from spec_cli.bench import (
-    BOOL_FIELDS, FLOAT_FIELDS, INT_FIELDS, LIST_FIELDS, NGRAM_FIELDS, SWEPT_CASE_FIELDS, columns, row_label,
+    BOOL_FIELDS,
+    FLOAT_FIELDS,
+    INT_FIELDS,
+    LIST_FIELDS,
+    NGRAM_FIELDS,
+    SWEPT_CASE_FIELDS,
+    columns,
+    row_label,
 )
 from spec_cli.bench.params import default_values
 

@@ -42,7 +42,7 @@ _register()
 def main() -> None:
     """Entry point: one-line errors with exit code 1 (runtime) or 2 (usage); SPEC_CLI_DEBUG=1 shows tracebacks."""
     debug = os.environ.get("SPEC_CLI_DEBUG") == "1"
-    from spec_cli import tensor_parallel
+    from spec_cli.model.parallel import tensor_parallel
 
     if tensor_parallel.followed_by_torchrun():  # torchrun's ranks > 0 serve rank 0's shards, whatever the command
         tensor_parallel.torchrun_follower()

@@ -26,7 +26,7 @@ from spec_cli.bench.params import OUTPUT_FORMATS, Instance, from_flags
 from spec_cli.bench.runner import Progress, run_bench
 from spec_cli.cli.options import warn_cpu_layers, warn_no_effect, with_options
 from spec_cli.errors import UsageError
-from spec_cli.loader import parse_device
+from spec_cli.model.loader import parse_device
 from spec_cli.options import BENCH, NO_EFFECT
 
 

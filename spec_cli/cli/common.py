@@ -7,11 +7,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from spec_cli.engine import Engine
 from spec_cli.errors import SpecCliError, UsageError
-from spec_cli.generate import Emitted, Sequence, generate
-from spec_cli.sampling import SamplingParams
-from spec_cli.session import Session
+from spec_cli.model.sampling import SamplingParams
+from spec_cli.runtime.engine import Engine
+from spec_cli.runtime.generate import Emitted, Sequence, generate
+from spec_cli.runtime.session import Session
 
 
 def read_prompt(opts: dict, required: bool = True) -> str | None:

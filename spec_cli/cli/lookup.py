@@ -18,18 +18,22 @@ from rich.table import Table
 from spec_cli.cli.common import read_prompt, run_prompt
 from spec_cli.cli.options import engine_options, sampling_params, text_log, with_options
 from spec_cli.cli.output import print_json, print_lookup_text_log, run_table, stderr
-from spec_cli.engine import build_engine
 from spec_cli.errors import UsageError
-from spec_cli.lookup import (
-    load_tokenizer, lookup_figures, merge_cache_files, open_lookup_session, save_dynamic_cache, simulate,
+from spec_cli.options import LOG, MODEL, PROMPT, SAMPLING, SPEC, default, pick
+from spec_cli.runtime.engine import build_engine
+from spec_cli.runtime.lookup import (
+    load_tokenizer,
+    lookup_figures,
+    merge_cache_files,
+    open_lookup_session,
+    save_dynamic_cache,
+    simulate,
     tokenize_corpus,
 )
-from spec_cli.lookup_offline import build_static_cache
-from spec_cli.options import LOG, MODEL, PROMPT, SAMPLING, SPEC, default, pick
+from spec_cli.runtime.lookup_offline import build_static_cache
 from spec_cli.speculative.adaptive import draft_bound, parse_draft_max
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.ngram_cache_file import save_cache
-
 
 DRAFT_MAX = pick(SPEC, "draft_max")
 CACHES = pick(SPEC, "lookup_cache_static", "lookup_cache_dynamic")

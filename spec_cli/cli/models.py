@@ -18,9 +18,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from spec_cli import models
 from spec_cli.cli.output import print_json
-from spec_cli.render import mib, pull_progress
+from spec_cli.cli.render import mib, pull_progress
+from spec_cli.model import catalog as models
 
 app = typer.Typer(help="List, fetch and inspect the models named in models.toml.", no_args_is_help=True)
 stdout = Console()

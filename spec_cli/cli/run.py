@@ -12,9 +12,9 @@ import sys
 from spec_cli.cli.common import TextStream, read_prompt, run_prompt
 from spec_cli.cli.options import engine_options, sampling_params, with_options
 from spec_cli.cli.output import print_json, print_summary, stderr
-from spec_cli.generate import generate
 from spec_cli.options import MODEL, PROMPT, SAMPLING, SPEC
-from spec_cli.session import Session, open_session
+from spec_cli.runtime.generate import generate
+from spec_cli.runtime.session import Session, open_session
 
 
 @with_options(MODEL, PROMPT, SAMPLING, SPEC)

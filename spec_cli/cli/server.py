@@ -18,7 +18,7 @@ import typer
 from spec_cli.cli.options import engine_options, sampling_params, with_options
 from spec_cli.errors import UsageError
 from spec_cli.options import MODEL, SAMPLING, SPEC, default
-from spec_cli.session import open_session
+from spec_cli.runtime.session import open_session
 
 DEFAULT_PARALLEL = 4  # llama-server's -np auto
 

@@ -15,7 +15,7 @@ from spec_cli.cli.common import read_prompt, run_prompt
 from spec_cli.cli.options import engine_options, sampling_params, text_log, with_options
 from spec_cli.cli.output import print_json, print_summary, print_text_log
 from spec_cli.options import LOG, MODEL, PROMPT, SAMPLING, SPEC
-from spec_cli.session import open_session
+from spec_cli.runtime.session import open_session
 
 
 @with_options(MODEL, PROMPT, LOG, SAMPLING, SPEC)

@@ -15,12 +15,12 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from spec_cli.runtime.session import Session
 from spec_cli.server import protocol as P
 from spec_cli.server.guard import RequestGuard
 from spec_cli.server.routes import ROUTES, ClientGone, Routes
 from spec_cli.server.scheduler import Scheduler
 from spec_cli.server.settings import ServerSettings
-from spec_cli.session import Session
 
 
 def create_app(session: Session, settings: ServerSettings | None = None) -> FastAPI:

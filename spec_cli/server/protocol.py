@@ -19,9 +19,9 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from spec_cli.errors import UsageError
-from spec_cli.generate import SpecOverrides
+from spec_cli.model.sampling import SamplingParams
 from spec_cli.options import OPTIONS
-from spec_cli.sampling import SamplingParams
+from spec_cli.runtime.generate import SpecOverrides
 from spec_cli.server.task import Completion
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.chain import parse_spec_types

@@ -28,9 +28,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from spec_cli.errors import SpecCliError
-from spec_cli.generate import Emitted, Sequence
+from spec_cli.runtime.generate import Emitted, Sequence
+from spec_cli.runtime.session import Session
 from spec_cli.server.task import Completion, Delta, Failure, Job, Task
-from spec_cli.session import Session
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

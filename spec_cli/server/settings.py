@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from spec_cli.errors import UsageError
+from spec_cli.model.sampling import SamplingParams
 from spec_cli.options import default
-from spec_cli.sampling import SamplingParams
 
 
 @dataclass

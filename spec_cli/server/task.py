@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from spec_cli.generate import SpecOverrides
-from spec_cli.sampling import SamplingParams
-from spec_cli.tokenizer import Tokenizer
+from spec_cli.model.sampling import SamplingParams
+from spec_cli.runtime.generate import SpecOverrides
+from spec_cli.text.tokenizer import Tokenizer
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from spec_cli.batch import Batch
+from spec_cli.model.batch import Batch
 from spec_cli.options import DRAFT_MAX, default
 
 

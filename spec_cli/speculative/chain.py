@@ -16,10 +16,10 @@ import time
 from contextlib import contextmanager
 from dataclasses import replace
 
-from spec_cli.batch import Batch
 from spec_cli.errors import UsageError
+from spec_cli.model.batch import Batch
 from spec_cli.speculative.adaptive import AcceptanceModel, Planner, expected_tokens
-from spec_cli.speculative.base import DraftParams, Drafter
+from spec_cli.speculative.base import Drafter, DraftParams
 from spec_cli.speculative.registry import drafter_types, spec_type_names
 from spec_cli.speculative.stats import DrafterStats
 

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from spec_cli.batch import Batch
-from spec_cli.context import Context
 from spec_cli.errors import SpecCliError
-from spec_cli.sampling import draw, filter_and_softmax
-from spec_cli.speculative.base import DraftParams, Drafter, SpecParams, TargetCache
+from spec_cli.model.batch import Batch
+from spec_cli.model.context import Context
+from spec_cli.model.sampling import draw, filter_and_softmax
+from spec_cli.speculative.base import Drafter, DraftParams, SpecParams, TargetCache
 from spec_cli.speculative.draft_vocab import DraftVocab
 
 DRAFT_TOP_K = 10  # llama.cpp LLAMA_DRAFT_TOP_K

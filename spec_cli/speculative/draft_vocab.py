@@ -19,9 +19,9 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import nn
 
-from spec_cli.loader import LoadedModel
-from spec_cli.model import Transformer
-from spec_cli.tokenizer import common_tokens
+from spec_cli.model.loader import LoadedModel
+from spec_cli.model.transformer import Transformer
+from spec_cli.text.tokenizer import common_tokens
 
 # Seen tokens are a second, small output layer rebuilt whenever new ones arrive (a request's prompt, a novel token);
 # past this many they join the fixed rows, so a long-running server does not rebuild a large layer per new token.

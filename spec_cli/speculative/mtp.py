@@ -41,11 +41,11 @@ from __future__ import annotations
 
 import torch
 
-from spec_cli.batch import Batch
-from spec_cli.context import Context
 from spec_cli.errors import SpecCliError, UsageError
-from spec_cli.mtp import MTPContext
-from spec_cli.speculative.base import DraftParams, Drafter, SpecParams, TargetCache
+from spec_cli.model.batch import Batch
+from spec_cli.model.context import Context
+from spec_cli.model.mtp_head import MTPContext
+from spec_cli.speculative.base import Drafter, DraftParams, SpecParams, TargetCache
 from spec_cli.speculative.draft_model import DRAFT_TOP_K, IDLE_STEPS, RESTART_WINDOW
 
 MTP_DRAFT_MAX = 3  # llama.cpp #23269: MTP acceptance falls off quickly with depth, so 3 (not the global 16)

@@ -1,8 +1,8 @@
 """`ngram-cache` (lookup decoding): counts of the tokens that followed each 1..4-gram, in three tiers.
 
 Mirrors llama.cpp common/ngram-cache.cpp (`common_ngram_cache_update/_draft`, PRs #5479, #6828, #6848, #8648)
-and the `ngram-cache` spec type (`common_speculative_impl_ngram_cache`); the lookup tools (spec_cli/lookup.py,
-spec_cli/lookup_offline.py) count and draft with the same functions.
+and the `ngram-cache` spec type (`common_speculative_impl_ngram_cache`); the lookup tools (spec_cli/runtime/lookup.py,
+spec_cli/runtime/lookup_offline.py) count and draft with the same functions.
 Tiers: the context cache (this request's text, lax thresholds), the dynamic cache (earlier generations, strict
 thresholds) and the static cache (corpus bigrams: a weight on the other tiers' candidates, and the last resort).
 The caches' files (llama.cpp's byte format) are read and written by ngram_cache_file.py.

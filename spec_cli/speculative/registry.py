@@ -13,9 +13,9 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from spec_cli.context import Context
 from spec_cli.errors import UsageError
-from spec_cli.mtp import MTPContext
+from spec_cli.model.context import Context
+from spec_cli.model.mtp_head import MTPContext
 from spec_cli.speculative.base import Drafter, SpecParams
 from spec_cli.speculative.draft_model import DraftModelDrafter
 from spec_cli.speculative.mtp import MTPDrafter

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from spec_cli.errors import UsageError
-from spec_cli.sampling import Sampler, draw
+from spec_cli.model.sampling import Sampler, draw
 
 VERIFY_MODES = ("auto", "match", "rejection")
 

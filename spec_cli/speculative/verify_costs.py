@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from spec_cli import kernels
-from spec_cli.batch import Batch
-from spec_cli.context import Context
+from spec_cli.model import kernels
+from spec_cli.model.batch import Batch
+from spec_cli.model.context import Context
 
 CALIBRATION_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # sparse: interpolation fills the gaps
 MULTI_SEQ_ROWS = (24, 32)  # several sequences pad the verify batch to G * (1 + longest draft)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from spec_cli.errors import SpecCliError, UsageError
-from spec_cli.loader import is_auto_device, parse_device
+from spec_cli.model.loader import is_auto_device, parse_device
 
 TIMEOUT = timedelta(seconds=120)  # loading a large shard on a follower counts against it (rank 0 waits meanwhile)
 

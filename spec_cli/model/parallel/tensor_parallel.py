@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
-from spec_cli import tp_comm
-from spec_cli.config import ModelConfig
-from spec_cli.context import Context
 from spec_cli.errors import SpecCliError
-from spec_cli.gguf_file import GGUFFile
-from spec_cli.loader import LoadedModel, load_model
-from spec_cli.tp_shard import check_divisible, shard_model
+from spec_cli.model.config import ModelConfig
+from spec_cli.model.context import Context
+from spec_cli.model.gguf_file import GGUFFile
+from spec_cli.model.loader import LoadedModel, load_model
+from spec_cli.model.parallel import comm as tp_comm
+from spec_cli.model.parallel.shard import check_divisible, shard_model
 
 _closed: list[int] = []  # keys of rank 0's contexts garbage-collected since the last message (freed on followers)
 

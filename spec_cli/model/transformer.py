@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spec_cli import kernels
-from spec_cli.config import ModelConfig
-from spec_cli.qlinear import QLinear
+from spec_cli.model import kernels
+from spec_cli.model.config import ModelConfig
+from spec_cli.model.qlinear import QLinear
 
 
 @dataclass
@@ -291,7 +291,7 @@ class Embedding(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
             return F.embedding(tokens, self.weight)
-        from spec_cli.quants import dequantize
+        from spec_cli.model.quants import dequantize
 
         rows = self.raw[tokens.reshape(-1)]  # [N, row_bytes]
         out = dequantize(rows.reshape(-1), self.qtype, (rows.shape[0], self.n_embd), self.dtype)

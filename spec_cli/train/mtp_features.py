@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from spec_cli.config import ModelConfig
-from spec_cli.model import ForwardPlan, Transformer, rope_tables
-from spec_cli.mtp import MTPHead
-from spec_cli.mtp_data import Progress, ProgressFn
+from spec_cli.model.config import ModelConfig
+from spec_cli.model.mtp_head import MTPHead
+from spec_cli.model.transformer import ForwardPlan, Transformer, rope_tables
+from spec_cli.train.data import Progress, ProgressFn
 
 TOP_K = 8  # target candidates kept per position for the KL term
 

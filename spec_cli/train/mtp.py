@@ -28,16 +28,22 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from spec_cli.config import ModelConfig
 from spec_cli.errors import SpecCliError
-from spec_cli.loader import LoadedModel
-from spec_cli.mtp import MTPHead, write_gguf_with_head
-from spec_cli.mtp_data import (
-    Progress, ProgressFn, generation_prompts, greedy_continuations, is_held_out, stdlib_documents, token_windows,
-)
-from spec_cli.mtp_features import Features, head_forward, shifted, target_features
+from spec_cli.model.config import ModelConfig
+from spec_cli.model.loader import LoadedModel
+from spec_cli.model.mtp_head import MTPHead, write_gguf_with_head
 from spec_cli.options import DRAFT_VOCAB
-from spec_cli.tokenizer import Tokenizer
+from spec_cli.text.tokenizer import Tokenizer
+from spec_cli.train.data import (
+    Progress,
+    ProgressFn,
+    generation_prompts,
+    greedy_continuations,
+    is_held_out,
+    stdlib_documents,
+    token_windows,
+)
+from spec_cli.train.mtp_features import Features, head_forward, shifted, target_features
 
 
 @dataclass

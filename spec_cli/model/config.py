@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from spec_cli.errors import SpecCliError
-from spec_cli.gguf_file import GGUFFile
+from spec_cli.model.gguf_file import GGUFFile
 
 # llama.cpp rope types: NORM rotates adjacent pairs (x0, x1); NEOX rotates (x_i, x_{i + d/2}).
 ARCH_ROPE_TYPE = {"llama": "norm", "mistral": "norm", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox"}

@@ -1,7 +1,7 @@
 """Prompt sets for speculative tests: built-in sets by task kind and user files (`--prompts FILE.jsonl`).
 
 Speculation speeds up text that repeats its context (code edits, extraction) far more than free writing, so a
-sweep must say what it ran on. Built-in sets live in `spec_cli/prompts/<name>.jsonl`, a few prompts each, written
+sweep must say what it ran on. Built-in sets live in `spec_cli/text/prompts/<name>.jsonl`, a few prompts each, written
 for this project; placeholders `{{source:module.attr}}` and `{{doc:module.attr}}` are filled at run time with the
 source or docstring of a Python standard-library object (via `inspect`), so nothing is downloaded and the files
 stay small.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import builtins
 import importlib
+import importlib.util
 import inspect
 import json
 import re
@@ -23,9 +24,9 @@ from pathlib import Path
 
 from spec_cli.errors import SpecCliError, UsageError
 
-BUILTIN_DIR = Path(__file__).resolve().parent.parent / "prompts"
+BUILTIN_DIR = Path(__file__).resolve().parent / "prompts"
 BUILTIN_SETS = ("code-edit", "summarize", "qa", "writing", "chat")
-_PLACEHOLDER = re.compile(r"\{\{(source|doc):([\w.]+)\}\}")
+PLACEHOLDER = re.compile(r"\{\{(source|doc):([\w.]+)\}\}")
 
 
 @dataclass
@@ -102,7 +103,7 @@ def expand(text: str) -> str:
         except (OSError, TypeError) as e:
             raise SpecCliError(f"cannot read the {m.group(1)} of {m.group(2)}: {e}") from None
 
-    return _PLACEHOLDER.sub(fill, text)
+    return PLACEHOLDER.sub(fill, text)
 
 
 def _lookup(dotted: str):
@@ -122,3 +123,21 @@ def _lookup(dotted: str):
     except AttributeError:
         raise SpecCliError(f"no object '{dotted}' in this Python's standard library") from None
     return obj
+
+
+def quoted_stdlib_files() -> set[Path]:
+    """Standard-library files quoted by the built-in prompt sets ({{source:...}} / {{doc:...}}): never trained on,
+    so acceptance measured on those sets is measured on unseen text."""
+    files = set()
+    for path in sorted(BUILTIN_DIR.glob("*.jsonl")):
+        for _, dotted in PLACEHOLDER.findall(path.read_text(encoding="utf-8")):
+            parts = dotted.split(".")
+            for i in range(len(parts), 0, -1):  # the longest module prefix defines the file
+                try:
+                    spec = importlib.util.find_spec(".".join(parts[:i]))
+                except (ImportError, ValueError):
+                    continue
+                if spec is not None and spec.origin and spec.origin.endswith(".py"):
+                    files.add(Path(spec.origin).resolve())
+                    break
+    return files

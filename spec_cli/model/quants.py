@@ -22,7 +22,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from spec_cli.errors import SpecCliError
-from spec_cli.gguf_file import GGUFFile
+from spec_cli.model.gguf_file import GGUFFile
 
 T = GGMLQuantizationType
 

@@ -1,5 +1,5 @@
 """Linear layers that keep GGUF weights as their blocks on the CPU (`--dtype q`, the CPU default), computed by the
-compiled kernels (spec_cli/kernels).
+compiled kernels (spec_cli/model/kernels).
 
 A `QLinear` holds one or more weight segments, each the GGUF bytes of a [n_out, n_in] matrix as the file has them
 (a view of the memory map; nothing is re-quantized, and the kernels read Q4_K rows regrouped 8 at a time,
@@ -19,8 +19,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
-from spec_cli import kernels
-from spec_cli.quants import dequantize
+from spec_cli.model import kernels
+from spec_cli.model.quants import dequantize
 
 T = GGMLQuantizationType
 

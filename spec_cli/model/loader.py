@@ -17,14 +17,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from spec_cli.config import ModelConfig
 from spec_cli.errors import SpecCliError, UsageError
-from spec_cli.gguf_file import GGUFFile
-from spec_cli.model import Linear, Transformer
+from spec_cli.model import kernels
+from spec_cli.model.config import ModelConfig
+from spec_cli.model.gguf_file import GGUFFile
+from spec_cli.model.qlinear import QLinear, fuse_projections, supports
+from spec_cli.model.quants import load_tensor
+from spec_cli.model.transformer import Linear, Transformer
 from spec_cli.options import DEFAULT_GPU_LAYERS, default
-from spec_cli import kernels
-from spec_cli.qlinear import QLinear, fuse_projections, supports
-from spec_cli.quants import load_tensor
 
 # GGUF block tensor suffix -> attribute path inside model.Block
 _BLOCK_NAMES = {

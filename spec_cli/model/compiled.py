@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
-from spec_cli import kernels
 from spec_cli.errors import UsageError
-from spec_cli.model import ForwardPlan, Transformer
+from spec_cli.model import kernels
+from spec_cli.model.transformer import ForwardPlan, Transformer
 
 MODES = ("auto", "on", "off")
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # sequences per step and rows per sequence, each padded up to one of these
@@ -141,7 +141,7 @@ def _layers(model: Transformer, x, positions, write_rows, write_seq, write_pos, 
 def use_cache_dir() -> str:
     """Point inductor's on-disk caches at spec-cli's cache (unless TORCHINDUCTOR_CACHE_DIR is set); returns it."""
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        from spec_cli.models import cache_dir
+        from spec_cli.model.catalog import cache_dir
 
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "torch-compile")
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]

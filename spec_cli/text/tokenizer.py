@@ -14,9 +14,9 @@ import warnings
 from collections.abc import Mapping
 from functools import cached_property
 
-from spec_cli.chat import render_chat, resolve_template
 from spec_cli.errors import SpecCliError
-from spec_cli.pretokenize import BYTE_TO_CHAR, CHAR_TO_BYTE, PRE_TYPES, pre_patterns, pre_tokenize
+from spec_cli.text.chat import render_chat, resolve_template
+from spec_cli.text.pretokenize import BYTE_TO_CHAR, CHAR_TO_BYTE, PRE_TYPES, pre_patterns, pre_tokenize
 
 # llama_token_attr bits; GGUF token_type -> attr as llama.cpp maps it.
 UNKNOWN, UNUSED, NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 2, 4, 8, 16, 32

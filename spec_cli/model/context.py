@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from spec_cli.batch import Batch
 from spec_cli.errors import SpecCliError
-from spec_cli.loader import LoadedModel
-from spec_cli.model import ForwardPlan
+from spec_cli.model.batch import Batch
+from spec_cli.model.loader import LoadedModel
+from spec_cli.model.transformer import ForwardPlan
 from spec_cli.options import default
 
 
@@ -67,7 +67,7 @@ class Context:
         self.last_hidden: torch.Tensor | None = None  # [n_rows, n_embd] of the last decode, batch order
 
     def _init_compiled(self, mode: str) -> None:
-        from spec_cli import compiled
+        from spec_cli.model import compiled
 
         if getattr(self.loaded, "shard", None) is not None:  # -tp: the followers' contexts are not compiled
             return
@@ -75,7 +75,7 @@ class Context:
             on_cuda = any(d.type == "cuda" for d in self.model.layer_devices)
             self.step = compiled.CompiledStep(self.loaded.gguf.path.stem, on_cuda)
             if on_cuda:
-                from spec_cli.cuda_graphs import StepGraphs
+                from spec_cli.model.cuda_graphs import StepGraphs
 
                 self.graphs = StepGraphs(self)
 
@@ -174,7 +174,7 @@ class Context:
             step = None  # a sequence's first row alone: one key, a size torch would compile a graph of its own for
         pad = step is not None and step.pads
         if pad:  # CUDA graphs: pad to the row buckets; padded groups read (never write) a real sequence
-            from spec_cli.compiled import bucket
+            from spec_cli.model.compiled import bucket
 
             G, T = bucket(G), bucket(T)
         tokens, positions = [0] * (G * T), [0] * (G * T)  # [G, T] flat; padded rows: token 0 at position 0
@@ -191,7 +191,7 @@ class Context:
             self.lengths[seq] += len(groups[seq])
         n_kv = max(self.lengths[s] for s in seqs)
         if pad:
-            from spec_cli.compiled import kv_bucket
+            from spec_cli.model.compiled import kv_bucket
 
             n_kv = kv_bucket(n_kv, self.n_ctx_seq)
             seqs = seqs + [seqs[0]] * (G - len(seqs))

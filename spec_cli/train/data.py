@@ -7,7 +7,6 @@ out.
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import sysconfig
 import zlib
@@ -17,12 +16,13 @@ from pathlib import Path
 
 import torch
 
-from spec_cli.context import Context
 from spec_cli.errors import SpecCliError
-from spec_cli.generate import Generator
-from spec_cli.loader import LoadedModel
-from spec_cli.sampling import SamplingParams
-from spec_cli.tokenizer import Tokenizer
+from spec_cli.model.context import Context
+from spec_cli.model.loader import LoadedModel
+from spec_cli.model.sampling import SamplingParams
+from spec_cli.runtime.generate import Generator
+from spec_cli.text.prompt_sets import quoted_stdlib_files
+from spec_cli.text.tokenizer import Tokenizer
 
 HELD_OUT_MOD = 10  # one file in ten (by name hash) is held out
 # requests the target answers about training snippets (its own generations in chat form); written for this tool
@@ -55,31 +55,11 @@ class Progress:
 ProgressFn = Callable[[Progress], None]
 
 
-def prompt_set_files() -> set[Path]:
-    """Standard-library files quoted by the built-in prompt sets ({{source:...}} / {{doc:...}}): never trained on,
-    so acceptance measured on those sets is measured on unseen text."""
-    from spec_cli.bench.prompts import _PLACEHOLDER, BUILTIN_DIR
-
-    files = set()
-    for path in sorted(BUILTIN_DIR.glob("*.jsonl")):
-        for _, dotted in _PLACEHOLDER.findall(path.read_text(encoding="utf-8")):
-            parts = dotted.split(".")
-            for i in range(len(parts), 0, -1):  # the longest module prefix defines the file
-                try:
-                    spec = importlib.util.find_spec(".".join(parts[:i]))
-                except (ImportError, ValueError):
-                    continue
-                if spec is not None and spec.origin and spec.origin.endswith(".py"):
-                    files.add(Path(spec.origin).resolve())
-                    break
-    return files
-
-
 def stdlib_documents() -> list[tuple[str, str]]:
     """(name, text) of the standard library's .py sources (tests and prompt-set sources excluded) and of its
     pydoc topics, sorted."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    excluded = prompt_set_files()
+    excluded = quoted_stdlib_files()
     docs = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()

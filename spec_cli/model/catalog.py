@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import tomllib
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -21,11 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import tomllib
 from gguf import LlamaFileType
 
 from spec_cli.errors import SpecCliError
-from spec_cli.gguf_file import GGUFFile
+from spec_cli.model.gguf_file import GGUFFile
 
 try:
     import fcntl

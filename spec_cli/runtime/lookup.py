@@ -12,16 +12,16 @@ import os
 import time
 from dataclasses import replace
 
-from spec_cli.engine import Engine, resolve
 from spec_cli.errors import SpecCliError, UsageError
-from spec_cli.generate import Sequence
-from spec_cli.gguf_file import GGUFFile
-from spec_cli.lookup_offline import lookup_stats
-from spec_cli.session import Session
+from spec_cli.model.gguf_file import GGUFFile
+from spec_cli.runtime.engine import Engine, resolve
+from spec_cli.runtime.generate import Sequence
+from spec_cli.runtime.lookup_offline import lookup_stats
+from spec_cli.runtime.session import Session
 from spec_cli.speculative.base import DraftParams, SpecParams
 from spec_cli.speculative.ngram_cache import NgramCacheDrafter
 from spec_cli.speculative.ngram_cache_file import NgramCache, load_cache, merge_caches
-from spec_cli.tokenizer import Tokenizer
+from spec_cli.text.tokenizer import Tokenizer
 
 
 def load_tokenizer(model: str | None) -> Tokenizer:

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
-from spec_cli.models import STAGE_ASSEMBLE, ProgressCallback
+from spec_cli.model.catalog import STAGE_ASSEMBLE, ProgressCallback
 
 # --- models -----------------------------------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 // spec-cli's CPU kernels: GGUF weight blocks times 8-bit activation blocks, attention over the static KV cache,
-// RMS norm, q/k norm + rope + KV writes, the gated FFN activation. Loaded with ctypes by spec_cli/kernels/__init__.py (plain C entry points, no Python or torch headers).
+// RMS norm, q/k norm + rope + KV writes, the gated FFN activation. Loaded with ctypes by spec_cli/model/kernels/__init__.py (plain C entry points, no Python or torch headers).
 //
 // Batch invariance by construction: every output element is computed by the same sequence of operations whatever
 // the number of rows in the call, the rows beside it, the thread count or which thread computes it. Rows are

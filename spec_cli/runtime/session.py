@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from spec_cli.engine import Engine, EngineOptions, build_engine, implied_spec
-from spec_cli.generate import Generator
+from spec_cli.runtime.engine import Engine, EngineOptions, build_engine, implied_spec
+from spec_cli.runtime.generate import Generator
 from spec_cli.speculative.adaptive import AUTO, Planner
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.chain import Chain

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spec_cli.batch import Batch
-from spec_cli.context import Context
 from spec_cli.errors import SpecCliError
+from spec_cli.model.batch import Batch
+from spec_cli.model.context import Context
+from spec_cli.model.sampling import Sampler, SamplingParams
 from spec_cli.options import DRAFT_MAX, default
-from spec_cli.sampling import Sampler, SamplingParams
 from spec_cli.speculative.adaptive import Planner
 from spec_cli.speculative.base import DraftParams
 from spec_cli.speculative.chain import Chain
