@@ -1,4 +1,4 @@
-"""Throughput and latency of `spec-cli server` under concurrent clients (issue 5's measurement).
+"""Throughput and latency of `spec-cli server` under concurrent clients.
 
 For every (-np, speculation) pair it starts `spec-cli server` as a subprocess on a loopback port, then for every
 client count runs that many concurrent clients, each sending --requests greedy `/completion` requests of

@@ -1,6 +1,6 @@
 """Exit codes of every command through the installed `spec-cli` console script, in a subprocess: 0 ok, 1 runtime
 error, 2 usage error, and a one-line error without a traceback. In-process runners (typer's CliRunner, main()
-called from a test) cannot see what the entry point does with the code (issue 13: a failing baseline gate exited 0).
+called from a test) cannot see what the entry point does with the code.
 
 The invocations run concurrently in one fixture (each pays ~2 s of torch import), the tests then check each one."""
 
@@ -36,7 +36,7 @@ def cases(model: str, tmp: Path) -> dict[str, tuple[list[str], int, str]]:
         "run-usage": (["run", *gen, "-c", "-1"], 2, "-c must be positive"),
         "speculative-ok": (["speculative-simple", *gen, "--spec-type", "ngram-simple"], 0, "speculation"),
         "speculative-runtime": (["speculative-simple", *gen, "--spec-type", "mtp"], 1, "MTP"),
-        # issue 13's command: a model without a models.toml draft, no drafter asked for (nothing is loaded)
+        # a model without a models.toml draft, no drafter asked for (nothing is loaded)
         "speculative-usage": (["speculative-simple", "-m", "smollm2-135m", "-p", "Hello", "-n", "8"], 2,
                               "nothing to speculate with"),
         "lookup-ok": (["lookup", *gen], 0, "n_accept"),

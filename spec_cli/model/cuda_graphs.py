@@ -2,7 +2,7 @@
 
 Why explicit: under torch.compile's mode="reduce-overhead" every step went through dynamo's, AOTAutograd's and
 cudagraph trees' Python wrappers around the replay, and the embedding, masks, rope gathers, final norm and output
-head ran outside the graph, kernel by kernel (docs/cuda.md, third GPU session: the host's side of a step was the
+head ran outside the graph, kernel by kernel (docs/cuda.md: on an H200 the host's side of a step was the
 cost). Here one replay runs the whole step, as vLLM and SGLang capture theirs: embedding, masks and rope from the
 step's indices, the compiled decoder blocks (compiled.CompiledStep, inductor's kernels), the final norm and the
 output head, into static outputs. The host writes one int64 index buffer, replays, and gathers its rows.

@@ -362,7 +362,7 @@ class StreamDecoder:
 
 
 def merge_pairs(syms: list[str], priority) -> list[str]:
-    """The merge loop of llama.cpp's BPE and SPM sessions: repeatedly merge the adjacent pair with the lowest
+    """The merge loop of llama.cpp's BPE and SPM tokenizers: repeatedly merge the adjacent pair with the lowest
     `priority(left, right)` (None = never merge; leftmost on ties) until none is left. Returns the symbols, merged
     ones emptied ("")."""
     nxt = [*range(1, len(syms)), -1]
