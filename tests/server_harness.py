@@ -7,14 +7,12 @@ import socket
 import threading
 import time
 
-import uvicorn
-
 from spec_cli.model.sampling import SamplingParams
 from spec_cli.runtime.engine import EngineOptions
 from spec_cli.runtime.generate import generate
 from spec_cli.runtime.session import open_session
 from spec_cli.server import ServerSettings, create_app
-from spec_cli.server.serve import GRACE_SECONDS, Server
+from spec_cli.server.serve import GRACE_SECONDS, Server, uvicorn_config
 from spec_cli.speculative.base import SpecParams
 
 N_CTX_SLOT = 256
@@ -68,8 +66,7 @@ class LiveServer:
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = create_app(session, settings)
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="on")
-        self.server = Server(config, grace)
+        self.server = Server(uvicorn_config(self.app, lifespan="on"), grace)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> LiveServer:

@@ -28,7 +28,7 @@ GREEDY_SETTINGS = dict(temperature=0.0)
 @pytest.fixture(scope="module")
 def srv(tiny_model_path):
     session = make_session(tiny_model_path, n_seq=4)
-    with LiveServer(session, ServerSettings(metrics=True, alias="tiny")) as s:
+    with LiveServer(session, ServerSettings(metrics=True, slots=True, alias="tiny")) as s:
         yield s
 
 
@@ -329,7 +329,7 @@ def test_engine_error_fails_the_request_and_the_server_recovers(http, ref, tok, 
 
 @pytest.fixture(scope="module")
 def locked(tiny_model_path):
-    with LiveServer(make_session(tiny_model_path), ServerSettings(api_key="sekrit", slots=False)) as s:
+    with LiveServer(make_session(tiny_model_path), ServerSettings(api_key="sekrit")) as s:
         yield s
 
 
@@ -363,7 +363,7 @@ def test_cli_server_command(tiny_model_path, sig, exit_code):
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "spec_cli", "server", "-m", str(tiny_model_path), "--port", str(port), "-np", "2",
            "-c", "512", "-a", "tiny-cli", "--api-key", "k", "--temp", "0", "-n", "5", "--allowed-hosts",
-           "models.example,other.example", "--max-body-mib", "1"]
+           "models.example,other.example", "--max-body-mib", "1", "--slots", "--read-timeout", "20"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url, key = f"http://127.0.0.1:{port}", {"X-Api-Key": "k"}
     try:
@@ -383,6 +383,7 @@ def test_cli_server_command(tiny_model_path, sig, exit_code):
         # the sampling flags and -n are the request defaults
         assert body["generation_settings"]["temperature"] == 0.0 and body["tokens_predicted"] <= 5
         assert httpx.get(url + "/metrics", headers=key).status_code == 501  # no --metrics
+        assert len(httpx.get(url + "/slots", headers=key).json()) == 2  # --slots
         assert httpx.get(url + "/v1/models", headers={**key, "Host": "other.example"}).status_code == 200
         assert httpx.get(url + "/v1/models", headers={**key, "Host": "evil.example"}).status_code == 403
         big = httpx.post(url + "/completion", json={"prompt": "x" * (1 << 20)}, headers=key)

@@ -25,7 +25,7 @@ CHAT = [{"role": "user", "content": "Hello"}]
 
 @pytest.fixture(scope="module")
 def settings():
-    return ServerSettings(max_body=64 * 1024, allowed_hosts=["models.example"])
+    return ServerSettings(max_body=64 * 1024, allowed_hosts=["models.example"], slots=True)
 
 
 @pytest.fixture(scope="module")
@@ -111,10 +111,15 @@ def encoded(srv, monkeypatch):
     return lengths
 
 
-def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(http, srv, encoded):
+@pytest.fixture(scope="module")
+def longest(srv) -> str:
+    """The vocabulary's longest token: over and over, each copy is one token, so the length bound is exact."""
     tok = srv.session.engine.tokenizer
-    longest = max((tok.token_text(i) for i in range(tok.n_vocab)), key=lambda t: len(t.encode()))
-    # the longest token, over and over: each copy is one token, so the bound is exact here
+    return max((tok.token_text(i) for i in range(tok.n_vocab)), key=lambda t: len(t.encode()))
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(http, srv, encoded, longest):
+    tok = srv.session.engine.tokenizer
     fits = longest * (N_CTX_SLOT - 1 - len(tok.encode("", add_special=True)))
     assert len(tok.encode(fits, add_special=True, parse_special=True)) == N_CTX_SLOT - 1
     assert http.post("/completion", json={"prompt": fits, "n_predict": 1}).status_code == 200
@@ -126,6 +131,16 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(http, srv, e
     assert_error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": too_long}]}),
                  400, "at least")
     assert encoded == []
+
+
+def test_tokenize_refuses_a_text_no_slot_could_hold_before_tokenizing_it(http, encoded, longest):
+    # tokenizing holds the interpreter lock the engine thread needs: a big text would stall every slot
+    fits = http.post("/tokenize", json={"content": longest * (N_CTX_SLOT - 1)})
+    assert fits.status_code == 200 and len(fits.json()["tokens"]) == N_CTX_SLOT - 1
+    encoded.clear()
+    err = assert_error(http.post("/tokenize", json={"content": longest * N_CTX_SLOT}), 400,
+                       f"the content has at least {N_CTX_SLOT} tokens", f"holds {N_CTX_SLOT - 1}")
+    assert err["type"] == "exceed_context_size_error" and encoded == []
 
 
 # --- chat templates ---------------------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ def servers(tiny_model_path, tiny_draft_path):
             cfg = dict(CONFIGS[name])
             draft = tiny_draft_path if cfg.pop("draft", False) else None
             session = make_session(tiny_model_path, n_seq=4, draft=draft, **cfg)
-            started[name] = stack.enter_context(LiveServer(session, ServerSettings(metrics=True)))
+            started[name] = stack.enter_context(LiveServer(session, ServerSettings(metrics=True, slots=True)))
         return started[name]
 
     with stack:
@@ -165,7 +165,8 @@ def test_draft_model_p_min_override(servers, ref):
 
 @pytest.fixture(scope="module")
 def single(tiny_model_path):
-    with LiveServer(make_session(tiny_model_path, n_seq=1, n_ctx_slot=2048), ServerSettings(metrics=True)) as s:
+    with LiveServer(make_session(tiny_model_path, n_seq=1, n_ctx_slot=2048),
+                    ServerSettings(metrics=True, slots=True)) as s:
         yield s
 
 

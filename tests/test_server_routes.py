@@ -60,11 +60,11 @@ def test_make_job_fills_the_server_defaults_and_checks_the_slot(session):
     assert api_error(lambda: r.make_job(bad_slot, [1], None)).param == "id_slot"
 
 
-def test_slots_and_metrics_answer_501_when_switched_off(session):
-    off = routes(session, slots=False, metrics=False)
+def test_slots_and_metrics_are_off_unless_switched_on(session):
+    off = routes(session)
     assert api_error(off.slots()).status == 501
     assert api_error(off.metrics()).status == 501
-    on = routes(session, metrics=True)
+    on = routes(session, slots=True, metrics=True)
     assert len(asyncio.run(on.slots())) == 2
     assert b"llamacpp:prompt_tokens_total" in asyncio.run(on.metrics()).body
 

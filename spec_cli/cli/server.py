@@ -32,7 +32,9 @@ def server(
     api_key: Optional[str] = typer.Option(None, "--api-key", help="require this key (Bearer or X-Api-Key) "
                                           "on every route but /health"),
     metrics: bool = typer.Option(False, "--metrics", help="enable the Prometheus /metrics endpoint"),
-    no_slots: bool = typer.Option(False, "--no-slots", help="disable the /slots endpoint"),
+    slots: bool = typer.Option(False, "--slots/--no-slots", help="enable the /slots endpoint, which shows every "
+                               "slot's latest prompt and output to whoever may call the server (off by default, "
+                               "unlike llama-server)"),
     alias: Optional[str] = typer.Option(None, "-a", "--alias", help="model id shown by the API"),
     n_predict: int = typer.Option(default("n_predict"), "-n", "--n-predict", help="default generation limit of a "
                                   "request (-1 = until end of generation or the slot's context end)"),
@@ -41,6 +43,9 @@ def server(
     allowed_hosts: Optional[str] = typer.Option(None, "--allowed-hosts", help="Host header names to accept "
                                                 "besides IP addresses, localhost and --host (comma list; * = any)"),
     max_body_mib: int = typer.Option(8, "--max-body-mib", help="largest request body in MiB (413 above it)"),
+    read_timeout: float = typer.Option(30.0, "--read-timeout", help="seconds a request has to arrive whole, "
+                                       "headers and body, from its first byte (and a new connection to send one): "
+                                       "408 and the connection closed after"),
 ) -> int:
     """Serve the model over HTTP (llama-server): /v1/chat/completions, /v1/completions, /completion, ...
 
@@ -57,9 +62,10 @@ def server(
         raise UsageError("--port must be in 1..65535")
     if n_predict < -1:
         raise UsageError("-n must be >= -1")
-    settings = ServerSettings(alias=alias, api_key=api_key, metrics=metrics, slots=not no_slots,
+    settings = ServerSettings(alias=alias, api_key=api_key, metrics=metrics, slots=slots,
                               n_predict=n_predict, sampling=sampling_params(opts), chat_template=chat_template,
-                              allowed_hosts=[host, *(allowed_hosts or "").split(",")], max_body=max_body_mib << 20)
+                              allowed_hosts=[host, *(allowed_hosts or "").split(",")], max_body=max_body_mib << 20,
+                              read_timeout=read_timeout)
     session = open_session(engine_options(opts, n_seq=parallel))
     app = create_app(session, settings)
     engine, types = session.engine, ",".join(session.types) or "none"

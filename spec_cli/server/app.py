@@ -1,8 +1,8 @@
 """The FastAPI app of `spec-cli server`: routes.py's handlers mounted around one Scheduler (the engine thread).
 
 OpenAI-compatible `/v1/models`, `/v1/completions`, `/v1/chat/completions` (SSE ending in `data: [DONE]`),
-llama.cpp-native `/completion`, `/tokenize`, `/detokenize`, `/health`, `/slots` (unless --no-slots) and `/metrics`
-(with --metrics). A request passes guard.py's checks first (Host, API key, JSON content type, body size). Every
+llama.cpp-native `/completion`, `/tokenize`, `/detokenize`, `/health`, `/slots` (with --slots) and `/metrics` (with
+--metrics). A request passes guard.py's checks first (Host, API key, framing, JSON content type, body size). Every
 error, including malformed JSON and failed validation, is a JSON body in OpenAI's shape.
 """
 
@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from spec_cli.runtime.session import Session
 from spec_cli.server import protocol as P
@@ -35,7 +36,7 @@ def create_app(session: Session, settings: ServerSettings | None = None) -> Fast
         scheduler.shutdown()
 
     app = FastAPI(title="spec-cli server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.scheduler = scheduler
+    app.state.scheduler, app.state.settings = scheduler, settings
     app.add_middleware(RequestGuard, hosts=settings.allowed_hosts, api_key=settings.api_key,
                        max_body=settings.max_body if settings.max_body is not None else math.inf)
     _install_error_handlers(app)
@@ -48,7 +49,7 @@ def create_app(session: Session, settings: ServerSettings | None = None) -> Fast
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(P.ApiError)
     async def api_error(_request, e: P.ApiError):
-        return JSONResponse(e.body(), e.status)
+        return JSONResponse(e.body(), e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request, e: StarletteHTTPException):
@@ -57,6 +58,7 @@ def _install_error_handlers(app: FastAPI) -> None:
                             headers=getattr(e, "headers", None))
 
     @app.exception_handler(ClientGone)
+    @app.exception_handler(ClientDisconnect)  # before its body arrived (connection.py logs it)
     async def gone(_request, _e):
         return Response(status_code=499)  # nobody reads it: the connection is closed
 

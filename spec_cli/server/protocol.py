@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from spec_cli.errors import UsageError
 from spec_cli.model.sampling import SamplingParams
@@ -28,14 +29,16 @@ from spec_cli.speculative.chain import parse_spec_types
 
 MAX_DRAFT = 256  # bound on per-request draft lengths
 MAX_STOPS = 16
+FLOAT32_MAX = 3.4028234663852886e38  # the sampler computes in float32
 
 
 class ApiError(Exception):
     """An error answered in OpenAI's shape."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type, param
+        self.status, self.message, self.type, self.param, self.headers = status, message, type, param, headers
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.type, self.param)
@@ -59,6 +62,8 @@ def parse_request(model: type[M], body: bytes) -> M:
         raise ApiError(400, f"invalid JSON: {e}") from None
     except RecursionError:
         raise ApiError(400, "invalid JSON: nested too deeply") from None
+    except ValueError:  # the one other failure of json.loads: int() refuses that many digits
+        raise ApiError(400, f"invalid JSON: an integer has more than {sys.get_int_max_str_digits()} digits") from None
     if _SURROGATE_ESCAPE.search(text):
         _reject_lone_surrogates(data)
     if not isinstance(data, dict):
@@ -124,6 +129,15 @@ class GenerationFields(Strict):
     cache_prompt: bool = True
     id_slot: int = Field(-1, ge=-1)
     speculative: bool | SpeculativeFields | None = None
+
+    @field_validator("temperature", "repeat_penalty")
+    @classmethod
+    def _in_float32(cls, value: float | None) -> float | None:
+        """A temperature or repeat penalty past float32's range is inf in the sampler: its probabilities turn NaN,
+        and the request silently decodes greedily."""
+        if value is not None and value > FLOAT32_MAX:
+            raise ValueError(f"{value:g} is more than {FLOAT32_MAX:.4g}, the largest float32 (the sampler's numbers)")
+        return value
 
     def to_sampling(self, defaults: SamplingParams) -> SamplingParams:
         """The server's sampling flags, overridden by the fields this request set."""

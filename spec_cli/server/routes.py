@@ -3,9 +3,9 @@ which holds what they share: the Scheduler (the engine thread), its session's en
 ServerSettings.
 
 A handler only parses, tokenizes, submits a Job and formats what comes back. Tokenizing and chat-template rendering
-run in worker threads, and a text prompt too long for a slot is refused from its length before it is tokenized. A
-client that disconnects (streaming or not) cancels its task, which frees its slot before the next generation step.
-app.py mounts the handlers (ROUTES) and turns ApiError / ClientGone into responses.
+run in worker threads, and a text too long for a slot (a prompt, /tokenize's content) is refused from its length
+before it is tokenized. A client that disconnects (streaming or not) cancels its task, which frees its slot before
+the next generation step. app.py mounts the handlers (ROUTES) and turns ApiError / ClientGone into responses.
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ class Routes:
     # --- routes -----------------------------------------------------------------------------------------------
 
     async def health(self):
+        if self.scheduler.closed:  # as llama-server while it cannot serve: a load balancer sends traffic elsewhere
+            raise P.ApiError(503, "server is shutting down", "unavailable_error")
         return {"status": "ok"}
 
     async def models(self):
@@ -102,7 +104,11 @@ class Routes:
         return await self.openai_reply(req, self.make_job(req, tokens, limit), request, chat=True)
 
     async def tokenize(self, request: Request):
+        """The content's tokens. Tokenizing is pure Python: it holds the interpreter lock the engine thread needs
+        between its kernels and slows every slot's generation while it runs. So a text is held to what a prompt may
+        be (refused from its length where it could not fit a slot): no longer than a prompt's tokenizing would."""
         req = P.parse_request(P.TokenizeRequest, await request.body())
+        self.check_fits(self.tok.min_tokens(req.content), at_least=True, what="content")
         tokens = await asyncio.to_thread(self.tok.encode, req.content, req.add_special, req.parse_special)
         if not req.with_pieces:
             return {"tokens": tokens}
@@ -122,7 +128,8 @@ class Routes:
 
     async def slots(self):
         if not self.settings.slots:
-            raise P.ApiError(501, "the /slots endpoint is disabled (--no-slots)", "not_supported_error")
+            raise P.ApiError(501, "the /slots endpoint is disabled: start the server with --slots",
+                             "not_supported_error")
         return self.scheduler.slots_info()
 
     async def metrics(self):
@@ -153,12 +160,12 @@ class Routes:
             raise P.ApiError(400, str(e), param="messages") from None
         return self.encode(text)
 
-    def check_fits(self, n_tokens: int, at_least: bool = False) -> None:
+    def check_fits(self, n_tokens: int, at_least: bool = False, what: str = "prompt") -> None:
         n_ctx, ctx = self.scheduler.n_ctx_slot, self.engine.ctx
         if n_tokens >= n_ctx:
-            raise P.ApiError(400, f"the prompt has {'at least ' if at_least else ''}{n_tokens} tokens but a slot's "
+            raise P.ApiError(400, f"the {what} has {'at least ' if at_least else ''}{n_tokens} tokens but a slot's "
                              f"context holds {n_ctx - 1} (-c {ctx.n_ctx} split across {ctx.n_seq} "
-                             "slots): shorten the prompt, raise -c or lower -np", "exceed_context_size_error")
+                             f"slots): shorten the {what}, raise -c or lower -np", "exceed_context_size_error")
 
     def make_job(self, req: P.GenerationFields, tokens: list[int], n_predict: int | None) -> Job:
         n_slots = len(self.scheduler.slots)

@@ -93,6 +93,11 @@ class Scheduler:
         return sum(s.task is not None for s in self.slots)
 
     @property
+    def closed(self) -> bool:
+        """Shutting down: new jobs are refused."""
+        return self._closed
+
+    @property
     def idle(self) -> bool:
         with self._cond:  # a job moves from the queue to a slot under the lock
             return not self._pending and not self.n_processing
@@ -232,8 +237,7 @@ class Scheduler:
     def _finish(self, task: Task, seq: Sequence, reason: str) -> None:
         slot = self._slot_of(task)
         self.gen.finish(slot.id, reason)
-        t_gen_ms = (time.perf_counter() - task.t_start) * 1e3
-        n_predicted = 0 if task.job.n_predict == 0 else seq.n_generated
+        n_predicted, t_gen_ms = self._count_generation(task, seq)
         word = task.out.stopping_word
         result = Completion(
             text=task.out.text, tokens=task.tokens, finish_reason=reason,
@@ -242,21 +246,34 @@ class Scheduler:
             n_drafted=seq.n_drafted, n_accepted=seq.n_accepted, t_prompt_ms=task.t_prompt_ms, t_gen_ms=t_gen_ms,
             settings=task.job.settings,
         )
+        self._release(slot, seq.tokens)
+        task.post(result)
+
+    def _end_early(self, slot: Slot, reason: str) -> list[int]:
+        """Ends a slot's generation before its end (the client went away, an error); returns the sequence's tokens
+        (its KV cache contents)."""
+        seq = self.gen.active[slot.id]
+        self._count_generation(slot.task, seq)
+        self.gen.finish(slot.id, reason)
+        return seq.tokens
+
+    def _count_generation(self, task: Task, seq: Sequence) -> tuple[int, float]:
+        """Adds a task's generation to the /metrics counters, whether it finished, was cancelled or failed; returns
+        (tokens generated, generation ms)."""
+        n_predicted = 0 if task.job.n_predict == 0 else seq.n_generated  # n_predict 0: the one token is dropped
+        t_gen_ms = (time.perf_counter() - task.t_start) * 1e3 if task.t_start else 0.0  # 0: failed in its prefill
         c = self.counters
         c.predicted_tokens += n_predicted
         c.predicted_ms += t_gen_ms
         c.n_tokens_max = max(c.n_tokens_max, seq.n_past + 1)
-        self._release(slot, seq.tokens)
-        task.post(result)
+        return n_predicted, t_gen_ms
 
     def _drop_cancelled(self) -> None:
         for slot in self.slots:
             task = slot.task
             if task is None or not task.cancelled or slot.id not in self.gen.active:
                 continue
-            seq = self.gen.active[slot.id]
-            self.gen.finish(slot.id, "cancelled")
-            self._release(slot, seq.tokens)
+            self._release(slot, self._end_early(slot, "cancelled"))
 
     def _release(self, slot: Slot, cached: list[int] | None = None) -> None:
         slot.cached = list(cached) if cached is not None else []
@@ -286,11 +303,13 @@ class Scheduler:
 
     def _fail_all(self, failure: Failure, pending: bool = True) -> None:
         for slot in self.slots:
-            if slot.task is not None:
-                self.gen.finish(slot.id, "error")
-                task = slot.task
-                self._release(slot)
-                task.post(failure)
+            task = slot.task
+            if task is None:
+                continue
+            if slot.id in self.gen.active:
+                self._end_early(slot, "error")
+            self._release(slot)
+            task.post(failure)
         if pending:
             with self._cond:
                 while self._pending:

@@ -11,11 +11,14 @@ SIGINT (an interrupted command, as the other spec-cli commands).
 from __future__ import annotations
 
 import asyncio
+import functools
 import signal
 import time
 
 import uvicorn
 from fastapi import FastAPI
+
+from spec_cli.server.connection import Connection
 
 GRACE_SECONDS = 5.0
 
@@ -44,10 +47,15 @@ class Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+def uvicorn_config(app: FastAPI, **kwargs) -> uvicorn.Config:
+    """The app under uvicorn with the server's own connection protocol (connection.py)."""
+    # uvicorn's own wait for the connections comes after the grace period: only responses still being written
+    protocol = functools.partial(Connection, read_timeout=app.state.settings.read_timeout)
+    return uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACE_SECONDS, http=protocol, **kwargs)
+
+
 def serve(app: FastAPI, host: str, port: int) -> int:
     """Serves until SIGTERM or SIGINT; returns the exit status."""
-    # uvicorn's own wait for the connections comes after the grace period: only responses still being written
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=GRACE_SECONDS)
-    server = Server(config)
+    server = Server(uvicorn_config(app, host=host, port=port))
     server.run()
     return 130 if server.exit_signal == signal.SIGINT else 0
