@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from spec_cli.errors import UsageError
 from spec_cli.model.sampling import SamplingParams
 from spec_cli.options import default
 
@@ -20,9 +19,3 @@ class ServerSettings:
     chat_template: str | None = None  # override of the GGUF's template (jinja source or a builtin name)
     allowed_hosts: list[str] = field(default_factory=list)  # Host names besides IP addresses and localhost
     max_body: int | None = None  # bytes a request body may have (None = no limit)
-
-    def __post_init__(self):
-        if self.api_key == "":
-            raise UsageError("--api-key is empty: give a key, or leave the flag out to serve without one")
-        if self.max_body is not None and self.max_body < 1:
-            raise UsageError("--max-body-mib must be at least 1")
