@@ -37,11 +37,10 @@ import torch
 import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
 from spec_cli.model.catalog import resolve_model
 from spec_cli.model.sampling import SamplingParams
+from spec_cli.options import OPTIONS, draft_bound
 from spec_cli.runtime.engine import EngineOptions
 from spec_cli.runtime.session import Session, open_session
-from spec_cli.speculative.adaptive import draft_bound, parse_draft_max
 from spec_cli.speculative.base import SpecParams
-from spec_cli.speculative.chain import parse_spec_types
 from spec_cli.speculative.stats import DrafterStats
 from spec_cli.text.prompt_sets import load_prompt_set, render_tokens
 
@@ -115,7 +114,7 @@ def parse_spec(text: str) -> tuple[list[str], int | str]:
     types, _, draft_max = text.rpartition(":")
     if not types:
         raise SystemExit(f"--spec '{text}': expected TYPES:DRAFT_MAX, e.g. ngram-mod:16 or ngram-mod:auto")
-    return parse_spec_types(types), parse_draft_max(draft_max)
+    return OPTIONS["spec_type"].value(types, "--spec"), OPTIONS["draft_max"].value(draft_max, "--spec")
 
 
 def llama_cpp_runner(model_path: str, threads: int, n_ctx: int, n_gen: int, eog: set[int],

@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spec_cli.model.catalog import resolve_model  # noqa: E402
 from spec_cli.model.sampling import SamplingParams  # noqa: E402
+from spec_cli.options import AUTO, draft_bound  # noqa: E402
 from spec_cli.runtime.engine import Engine, EngineOptions  # noqa: E402
 from spec_cli.runtime.generate import generate  # noqa: E402
 from spec_cli.runtime.session import Session, open_session  # noqa: E402
-from spec_cli.speculative.adaptive import AUTO, draft_bound  # noqa: E402
 from spec_cli.speculative.base import SpecParams  # noqa: E402
 from spec_cli.text.prompt_sets import load_prompt_set, render_tokens  # noqa: E402
 

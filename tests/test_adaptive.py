@@ -18,9 +18,9 @@ from spec_cli.model import kernels
 from spec_cli.model.batch import Batch
 from spec_cli.model.context import Context
 from spec_cli.model.sampling import SamplingParams
+from spec_cli.options import AUTO, BENCH_OPTIONS, read_flags
 from spec_cli.speculative import adaptive, verify_costs
 from spec_cli.speculative.adaptive import (
-    AUTO,
     AUTO_DRAFT_MAX,
     FIRST_PROBE_AFTER,
     PROBE_BUDGET,
@@ -678,8 +678,9 @@ def test_cli_bad_draft_max_is_a_usage_error(capsys, monkeypatch, tiny_model_path
 
 
 def test_bench_sweeps_auto_next_to_fixed_lengths(tiny_model_path, prompt_file):  # noqa: F811
-    assert from_flags({"draft_max": ["4,16,auto"], "spec_type": ["ngram-mod"]}).draft_max == [4, 16, AUTO]
-    assert from_flags({"draft_max": ["1-4*2", "auto"], "spec_type": ["ngram-mod"]}).draft_max == [1, 2, 4, AUTO]
+    for flags, draft_max in (({"draft_max": ["4,16,auto"]}, [4, 16, AUTO]), ({"draft_max": ["1-4*2", "auto"]},
+                                                                               [1, 2, 4, AUTO])):
+        assert from_flags(read_flags(BENCH_OPTIONS, {**flags, "spec_type": ["ngram-mod"]})).draft_max == draft_max
     params = tiny(tiny_model_path, random_tests=False, spec_type=["ngram-simple"], draft_max=[2, AUTO],
                   prompt_sets=[str(prompt_file)], n_gen=[8], repetitions=1)
     rows = [r.to_dict() for r in run_bench(params)]

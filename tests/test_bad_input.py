@@ -115,8 +115,8 @@ def test_unknown_model_name(capsys, monkeypatch):
 
 @pytest.mark.parametrize("args, needle", [
     (["--temp", "abc"], "temp"),
-    (["--top-p", "1.5"], "top_p"),
-    (["--spec-type", "ngram-bogus"], "unknown --spec-type"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--spec-type", "ngram-bogus"], "--spec-type must be drafter types from"),
     (["--draft-p-min", "2"], "--draft-p-min"),
     (["--draft-vocab", "-1"], "--draft-vocab"),
     (["--spec-verify", "maybe"], "--spec-verify"),
@@ -133,7 +133,7 @@ def test_bad_flag_values_are_usage_errors(capsys, monkeypatch, tiny_model_path, 
 def test_server_refuses_an_empty_api_key(capsys, monkeypatch, tiny_model_path):
     # an empty key used to turn authentication off without a word
     code, _, err = cli(capsys, monkeypatch, "server", "-m", str(tiny_model_path), "--api-key", "")
-    assert_one_line_error(code, err, 2, "--api-key is empty")
+    assert_one_line_error(code, err, 2, "--api-key must be non-empty")
 
 
 def test_incompatible_draft_vocabulary(capsys, monkeypatch, tmp_path, tiny_model_path):

@@ -5,21 +5,20 @@ from __future__ import annotations
 
 import pytest
 
-from spec_cli.bench.params import (
-    BenchParams,
-    chain_types,
-    from_flags,
-    instances,
-    parse_flash_attn,
-    parse_gpu_layers_list,
-    parse_int_list,
-    parse_pairs,
-    parse_spec_chains,
-    parse_values,
-)
+from spec_cli.bench.params import BenchParams, chain_types, from_flags, instances, spec_chains
 from spec_cli.errors import UsageError
 from spec_cli.model.catalog import load_registry
-from spec_cli.speculative.chain import parse_spec_types
+from spec_cli.options import BENCH_OPTIONS, read_flags, spec_types
+
+
+def swept(name: str, *values: str) -> list:
+    """A sweep's flag given `values`, as bench reads it."""
+    return BENCH_OPTIONS[name].values(list(values))
+
+
+def params(flags: dict) -> BenchParams:
+    """Bench's parameters from its flags as typed."""
+    return from_flags(read_flags(BENCH_OPTIONS, flags))
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -38,48 +37,47 @@ from spec_cli.speculative.chain import parse_spec_types
     ("4,4", [4, 4]),
 ])
 def test_parse_values(text, expected):
-    assert parse_values(text) == expected
+    assert swept("n_prompt", text) == expected
 
 
 @pytest.mark.parametrize("text", ["4-1", "1-8*1", "0-8*2", "1-8+0", "a", "1-", "", "-3", "1-8/2", "1.5", "1,,2"])
 def test_parse_values_rejects(text):
-    with pytest.raises(UsageError):
-        parse_values(text)
+    with pytest.raises(UsageError, match="-p must be"):
+        swept("n_prompt", text)
 
 
 def test_repeated_flags_concatenate_and_defaults_apply():
-    assert parse_int_list(["1,2", "4-6"], [512], "-p") == [1, 2, 4, 5, 6]
-    assert parse_int_list(None, [512], "-p") == [512]
-    assert parse_gpu_layers_list(["-1,0-2", "all,auto,8-16*2"], [0], "-ngl") == [-1, 0, 1, 2, -1, -1, 8, 16]
-    assert parse_gpu_layers_list(None, [-1], "-ngld") == [-1]
+    assert swept("n_prompt", "1,2", "4-6") == [1, 2, 4, 5, 6]
+    assert BENCH_OPTIONS["n_prompt"].values(None) is None and params({}).n_prompt == [512]
+    assert swept("n_gpu_layers", "-1,0-2", "all,auto,8-16*2") == [-1, 0, 1, 2, -1, -1, 8, 16]
+    assert params({}).n_gpu_layers_draft == [-1]
     with pytest.raises(UsageError, match="-ngld"):
-        parse_gpu_layers_list(["-3"], [-1], "-ngld")
+        swept("n_gpu_layers_draft", "-3")
     with pytest.raises(UsageError, match="-p"):
-        parse_int_list(["-1"], [0], "-p")
+        swept("n_prompt", "-1")
 
 
 def test_pairs_flash_attn_and_spec_chains():
-    assert parse_pairs(["512,128", "1,2"]) == [(512, 128), (1, 2)]
-    with pytest.raises(UsageError):
-        parse_pairs(["512"])
-    assert parse_flash_attn(["on,off", "auto"]) == [1, 0, -1]
-    with pytest.raises(UsageError):
-        parse_flash_attn(["maybe"])
-    with pytest.raises(UsageError):
-        parse_spec_chains(["ngram-nope"])
+    assert swept("n_pg", "512,128", "1,2") == [(512, 128), (1, 2)]
+    with pytest.raises(UsageError, match="-pg must be PP,TG"):
+        swept("n_pg", "512")
+    assert swept("flash_attn", "on,off", "auto") == [1, 0, -1]
+    with pytest.raises(UsageError, match="-fa"):
+        swept("flash_attn", "maybe")
+    with pytest.raises(UsageError, match="--spec-type"):
+        swept("spec_type", "ngram-nope")
 
 
 def test_spec_type_string_is_one_chain_as_in_every_command():
     # `--spec-type ngram-mod,mtp` is the chain ngram-mod then mtp in run/server/speculative-simple: in bench too
-    assert parse_spec_chains(["ngram-mod,mtp"]) == [",".join(parse_spec_types("ngram-mod,mtp"))] == [
-        "ngram-mod,draft-mtp"]
-    assert chain_types(from_flags({"spec_type": ["ngram-mod,mtp"]}).spec_type[0]) == ["ngram-mod", "draft-mtp"]
+    assert swept("spec_type", "ngram-mod,mtp") == [",".join(spec_types("ngram-mod,mtp"))] == ["ngram-mod,draft-mtp"]
+    assert chain_types(params({"spec_type": ["ngram-mod,mtp"]}).spec_type[0]) == ["ngram-mod", "draft-mtp"]
     # sweep values: ';' or the flag repeated; llama.cpp's priority order in each chain, aliases resolved, none and
     # repeats dropped
-    assert parse_spec_chains(["draft,ngram-mod;ngram-simple", "none;ngram-simple", "ngram-mod,draft"]) == [
-        "ngram-mod,draft-simple", "ngram-simple"]
-    with pytest.raises(UsageError, match="join a chain with ','"):  # the old '+' syntax says what replaced it
-        parse_spec_chains(["ngram-mod+draft-simple"])
+    chains = swept("spec_type", "draft,ngram-mod;ngram-simple", "none;ngram-simple", "ngram-mod,draft")
+    assert spec_chains(chains) == ["ngram-mod,draft-simple", "ngram-simple"]
+    with pytest.raises(UsageError, match="joined with ','"):  # the old '+' syntax says what replaced it
+        swept("spec_type", "ngram-mod+draft-simple")
 
 
 def _shape(inst):
@@ -136,50 +134,51 @@ def test_speculative_cases_follow_their_plain_run():
 
 
 def test_chain_selection_is_a_sweep_axis():
-    p = from_flags({"spec_type": ["ngram-simple,ngram-cache"], "spec_select": ["priority,gain"], "n_gen": ["8"]})
+    p = params({"spec_type": ["ngram-simple,ngram-cache"], "spec_select": ["priority,gain"], "n_gen": ["8"]})
     assert [i.test.spec_select for i in instances(p)] == ["priority", "priority", "gain"]  # the plain run first
 
 
 def test_mtp_rollback_is_a_sweep_axis_of_chains_with_draft_mtp_only():
-    p = from_flags({"spec_type": ["ngram-simple", "draft-mtp"], "spec_mtp_rollback": ["partial,reeval"],
+    p = params({"spec_type": ["ngram-simple", "draft-mtp"], "spec_mtp_rollback": ["partial,reeval"],
                     "n_gen": ["8"]})
     got = [(i.test.spec_type, i.test.spec_mtp_rollback) for i in instances(p)][1:]
     assert got == [("ngram-simple", "partial"), ("draft-mtp", "partial"), ("draft-mtp", "reeval")]
 
 
-def test_from_flags_selects_test_kinds():
-    plain = from_flags({})
+def test_from_flags_selects_test_kinds(tmp_path):
+    plain = params({})
     assert plain.random_tests and not plain.speculative and plain.n_prompt == [512] and plain.n_gen == [128]
-    sweep = from_flags({"spec_type": ["ngram-mod"], "n_gen": ["32"]})
+    sweep = params({"spec_type": ["ngram-mod"], "n_gen": ["32"]})
     # in a sweep -n is the length per prompt, not a tg test; the default prompt set is code-edit
     assert not sweep.random_tests and sweep.n_gen == [32] and sweep.prompt_sets == ["code-edit"]
-    assert from_flags({"spec_type": ["ngram-mod"], "n_prompt": ["64"]}).random_tests
-    assert not from_flags({"verify_cost": 4}).random_tests
-    assert from_flags({"verify_cost": 4, "n_gen": ["8"]}).random_tests
-    md = from_flags({"model_draft": ["small.gguf"]})
+    assert params({"spec_type": ["ngram-mod"], "n_prompt": ["64"]}).random_tests
+    assert not params({"verify_cost": 4}).random_tests
+    assert params({"verify_cost": 4, "n_gen": ["8"]}).random_tests
+    md = params({"model_draft": ["small.gguf"]})
     assert md.spec_type == ["draft-simple"]  # -md alone sweeps draft-simple
-    assert from_flags({"prompt_set": ["qa"], "prompts": ["mine.jsonl"]}).prompt_sets == ["qa", "mine.jsonl"]
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"id": 1, "prompt": "x"}\n')
+    assert params({"prompt_set": ["qa"], "prompts": [str(mine)]}).prompt_sets == ["qa", str(mine)]
 
 
 @pytest.mark.parametrize("flags,message", [
-    ({"n_batch": ["0"]}, "n_batch"),
+    ({"n_batch": ["0"]}, "-b must be >= 1"),
     ({"draft_p_min": ["1.5"]}, "p-min"),
     ({"spec_verify": ["sometimes"]}, "spec-verify"),
     ({"spec_select": ["best"]}, "spec-select"),
     ({"spec_mtp_rollback": ["some"]}, "spec-mtp-rollback"),
-    ({"repetitions": 0}, "-r"),
     ({"spec_type": ["ngram-mod"], "n_gen": ["0"]}, "-n"),
     ({"temp": ["hot"]}, "--temp"),
 ])
 def test_invalid_parameters_are_usage_errors(flags, message):
     with pytest.raises(UsageError, match=message):
-        instances(from_flags(flags))
+        instances(params(flags))
 
 
 def test_draft_simple_without_md_drafts_with_the_models_listed_draft(tiny_model_path):
     registry = load_registry()
     listed = registry.get(registry.default_model).draft
-    tests = [i.test for i in instances(from_flags({"spec_type": ["draft-simple"]}))]  # the default model
+    tests = [i.test for i in instances(params({"spec_type": ["draft-simple"]}))]  # the default model
     assert [t.model_draft for t in tests if t.spec_type == "draft-simple"] == [listed]
     with pytest.raises(UsageError, match="draft model"):  # a GGUF path lists no draft
-        instances(from_flags({"spec_type": ["ngram-mod;draft-simple"], "model": [str(tiny_model_path)]}))
+        instances(params({"spec_type": ["ngram-mod;draft-simple"], "model": [str(tiny_model_path)]}))

@@ -12,7 +12,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from spec_cli.bench import runner as runner_module
-from spec_cli.bench.params import BenchParams, from_flags, parse_spec_chains
+from spec_cli.bench.params import BenchParams, from_flags, spec_chains
 from spec_cli.bench.printers import format_md
 from spec_cli.bench.runner import Progress, run_bench
 from spec_cli.bench.verify_cost import break_even_acceptance, expected_length
@@ -20,7 +20,8 @@ from spec_cli.cli import app
 from spec_cli.errors import SpecCliError, UsageError
 from spec_cli.model.context import Context
 from spec_cli.model.gguf_file import GGUFFile
-from spec_cli.text.prompt_sets import BUILTIN_SETS, load_prompt_set, render_tokens
+from spec_cli.options import BENCH_OPTIONS, PROMPT_SETS, read_flags
+from spec_cli.text.prompt_sets import load_prompt_set, render_tokens
 from spec_cli.text.tokenizer import Tokenizer
 from tests.test_lookup_cli import cli
 from tests.tiny_mtp import write_tiny_mtp_gguf
@@ -160,7 +161,8 @@ def test_mtp_and_chains_build_their_engine_like_every_command(tmp_path, prompt_f
     """bench assembles its engine the way build_engine does: draft-mtp gets the model's NextN head (it used to
     fail on a missing MTP context), and a chain (comma list) runs as one drafter chain."""
     mtp = write_tiny_mtp_gguf(tmp_path / "tiny-mtp.gguf")
-    rows = run_bench(tiny(mtp, random_tests=False, spec_type=parse_spec_chains(["mtp;ngram-simple,mtp"]),
+    chains = spec_chains(BENCH_OPTIONS["spec_type"].values(["mtp;ngram-simple,mtp"]))
+    rows = run_bench(tiny(mtp, random_tests=False, spec_type=chains,
                           draft_max=[2], draft_p_min=[0.0], prompt_sets=[str(prompt_file)], n_gen=[8], repetitions=1))
     assert [r.spec["spec_type"] for r in rows] == ["none", "draft-mtp", "ngram-simple,draft-mtp"]
     assert rows[1].spec["n_drafted"] > 0
@@ -177,10 +179,11 @@ def test_drafter_settings_sweep_like_the_other_commands_flags(tiny_model_path, t
     built = []
     original = runner_module.assemble_engine
     monkeypatch.setattr(runner_module, "assemble_engine", lambda opts, *a: built.append(opts.spec) or original(opts, *a))
-    params = from_flags({"model": [str(tiny_model_path)], "devices": ["cpu"], "spec_type": ["ngram-simple;ngram-mod",
-                         "draft-simple"], "model_draft": [str(tiny_draft_path)], "ngram_mod_n_match": ["8,16"],
-                         "ngram_simple_size_n": ["2"], "n_gpu_layers_draft": ["0"], "device_draft": ["none"],
-                         "prompt_set": [str(prompt_file)], "n_gen": ["4"], "repetitions": 1})
+    flags = {"model": [str(tiny_model_path)], "devices": ["cpu"],
+             "spec_type": ["ngram-simple;ngram-mod", "draft-simple"], "model_draft": [str(tiny_draft_path)],
+             "ngram_mod_n_match": ["8,16"], "ngram_simple_size_n": ["2"], "n_gpu_layers_draft": ["0"],
+             "device_draft": ["none"], "prompt_set": [str(prompt_file)], "n_gen": ["4"], "repetitions": 1}
+    params = from_flags(read_flags(BENCH_OPTIONS, flags))
     rows = [r.to_dict() for r in run_bench(params)]
     got = [(r["spec_type"], r["ngram_simple_size_n"], r["ngram_mod_n_match"], r["ngram_mod_n_min"], r["model_draft"],
             r["n_gpu_layers_draft"], r["devices_draft"]) for r in rows]
@@ -319,7 +322,7 @@ def test_plot_writes_a_png(tmp_path):
 
 def test_builtin_prompt_sets_render(tiny_model_path):
     tok = Tokenizer.from_metadata(GGUFFile(tiny_model_path).metadata)
-    for name in BUILTIN_SETS:
+    for name in PROMPT_SETS:
         ps = load_prompt_set(name)
         assert ps.name == name and 4 <= len(ps.prompts) <= 8
         for p in ps.prompts:
@@ -340,5 +343,5 @@ def test_bad_prompt_files(tmp_path, line):
 
 
 def test_unknown_prompt_set():
-    with pytest.raises(UsageError, match="code-edit"):
-        load_prompt_set("poetry-slam")
+    with pytest.raises(UsageError, match="--prompt-set must be a built-in set .*code-edit"):
+        BENCH_OPTIONS["prompt_set"].values(["poetry-slam"])

@@ -15,7 +15,7 @@ from spec_cli.cli import main
 from spec_cli.cli.run import chat_loop
 from spec_cli.errors import UsageError
 from spec_cli.model.sampling import SamplingParams
-from spec_cli.options import NO_EFFECT, parse_gpu_layers
+from spec_cli.options import NO_EFFECT, OPTIONS
 from spec_cli.runtime.engine import EngineOptions
 from spec_cli.runtime.session import open_session
 
@@ -148,13 +148,13 @@ def test_speculative_simple_without_a_drafter_is_a_usage_error(capsys, monkeypat
 
 @pytest.mark.parametrize("value, expected", [("auto", -1), ("all", -1), ("ALL", -1), ("-1", -1), ("0", 0), ("28", 28)])
 def test_gpu_layers_take_llamacpp_words(value, expected):
-    assert parse_gpu_layers(value, "-ngld") == expected
+    assert OPTIONS["n_gpu_layers_draft"].value(value) == expected
 
 
 @pytest.mark.parametrize("value", ["-2", "many", "1.5", ""])
 def test_gpu_layers_reject_other_values(value):
     with pytest.raises(UsageError, match="-ngld must be a number of blocks, auto or all"):
-        parse_gpu_layers(value, "-ngld")
+        OPTIONS["n_gpu_layers_draft"].value(value)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only warnings")

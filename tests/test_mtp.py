@@ -441,11 +441,11 @@ def test_training_data_leaves_out_prompt_set_sources(tiny_model_path):
 
 def test_spec_type_mtp_through_the_engine(mtp_path):
     """`--spec-type mtp` opened by open_session: greedy output equals plain output, and the head drafts."""
-    from spec_cli.speculative.chain import parse_spec_types
+    from spec_cli.options import spec_types
 
     plain = open_session(EngineOptions(model=str(mtp_path), n_ctx=128, device="cpu"))
     spec = open_session(EngineOptions(model=str(mtp_path), n_ctx=128, device="cpu",
-                                      spec=SpecParams(types=parse_spec_types("ngram-mod,mtp"), draft_max=3,
+                                      spec=SpecParams(types=spec_types("ngram-mod,mtp"), draft_max=3,
                                                       draft_p_min=0.0, ngram_mod_n_match=3, ngram_mod_n_min=1)))
     assert [d.name for d in spec.chain.drafters] == ["ngram-mod", "draft-mtp"]
     for prompt in PROMPTS:

@@ -8,6 +8,7 @@ import torch
 
 from spec_cli.errors import UsageError
 from spec_cli.model.loader import layer_devices, weight_format
+from spec_cli.options import OPTIONS
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -34,4 +35,5 @@ def test_cpu_resident_layers_stay_quantized(dtype, devices, expected):
 
 def test_unknown_dtype_is_a_usage_error():
     with pytest.raises(UsageError, match="--dtype"):
-        weight_format("int3", placement(-1, CPU))
+        OPTIONS["dtype"].value("int3")
+    assert OPTIONS["dtype"].value("BFloat16") == "bf16"  # llama.cpp's long names, in any case

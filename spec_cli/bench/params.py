@@ -20,126 +20,31 @@ contain commas themselves (its `-ot` separates instances by `;`), and its conven
 from __future__ import annotations
 
 import itertools
-import re
 from dataclasses import dataclass, field
 
 from spec_cli.bench import DRAFT_MODEL_FIELDS, NGRAM_FIELDS, SWEPT_CASE_FIELDS
 from spec_cli.errors import UsageError
 from spec_cli.model.catalog import registry_entry
-from spec_cli.model.compiled import check_mode
-from spec_cli.options import BENCH_OPTIONS, DEFAULT_GPU_LAYERS, parse_gpu_layers
-from spec_cli.speculative.adaptive import AUTO, parse_draft_max
-from spec_cli.speculative.chain import check_select, parse_spec_types
-from spec_cli.speculative.mtp import check_rollback
-from spec_cli.speculative.verify import VERIFY_MODES
-
-_RANGE = re.compile(r"^(\d+)(?:-(\d+)(?:([+*])(\d+))?)?$")
-FLASH_ATTN = {"auto": -1, "-1": -1, "off": 0, "0": 0, "false": 0, "on": 1, "1": 1, "true": 1}
-OUTPUT_FORMATS = ("md", "csv", "json", "jsonl", "sql", "none")
+from spec_cli.options import BENCH_OPTIONS, DEFAULT_GPU_LAYERS
 
 
-def parse_values(text: str) -> list[int]:
-    """llama-bench's integer list syntax: `512`, `1,2,4`, `1-32+4` (1,5,...,29), `1-64*2` (1,2,...,64)."""
-    out: list[int] = []
-    for item in text.split(","):
-        m = _RANGE.match(item.strip())
-        if not m:
-            raise UsageError(f"invalid value '{item.strip()}' in '{text}' (use N, N-M, N-M+STEP or N-M*MULT)")
-        first = int(m.group(1))
-        last = int(m.group(2)) if m.group(2) is not None else first
-        op, step = m.group(3) or "+", int(m.group(4)) if m.group(4) is not None else 1
-        if last < first:
-            raise UsageError(f"invalid range '{item.strip()}': it must increase")
-        i = first
-        while i <= last:
-            out.append(i)
-            nxt = i + step if op == "+" else i * step
-            if nxt <= i:  # +0, *1 or 0*N would never end
-                raise UsageError(f"invalid range '{item.strip()}': the step must make it increase")
-            i = nxt
-    return out
+def swept(flags: dict, name: str, default: list) -> list:
+    """A sweep's values (None: the flag was left out, `default` then)."""
+    values = flags.get(name)
+    return list(default) if values is None else values
 
 
-def parse_int_list(values: list[str] | None, default: list[int], flag: str) -> list[int]:
-    """Repeated flags and comma lists of ints."""
-    if not values:
-        return list(default)
-    out: list[int] = []
-    for value in values:
-        for item in value.split(","):
-            try:
-                out.extend(parse_values(item.strip()))
-            except UsageError as e:
-                raise UsageError(f"{flag}: {e}") from None
-    return out
+def _default_value(name: str) -> list:
+    """A sweep's default: one value, its flag's (spec_cli/options.py BENCH), parsed."""
+    o = BENCH_OPTIONS[name]
+    return [o.value(o.default)]
 
 
-def parse_gpu_layers_list(values: list[str] | None, default: list[int], flag: str) -> list[int]:
-    """-ngl / -ngld sweep values: the integer syntax plus llama.cpp's -1, auto and all (every block: -1)."""
-    out: list[int] = []
-    for item in parse_str_list(values, []):
-        out += parse_values(item) if _RANGE.match(item) else [parse_gpu_layers(item, flag)]
-    return out or list(default)
-
-
-def parse_draft_max_list(values: list[str] | None, default: list[int | str]) -> list[int | str]:
-    """--draft-max sweep values: the integer syntax plus `auto`, kept as the string "auto" (so json/csv rows
-    read back the same)."""
-    out: list[int | str] = []
-    for item in parse_str_list(values, []):
-        out += [AUTO] if item.lower() == AUTO else parse_int_list([item], [], "--draft-max")
-    return out or list(default)
-
-
-def parse_float_list(values: list[str] | None, default: list[float], flag: str) -> list[float]:
-    if not values:
-        return list(default)
-    try:
-        return [float(item) for value in values for item in value.split(",") if item.strip()]
-    except ValueError:
-        raise UsageError(f"{flag}: expected comma-separated numbers, got {', '.join(values)}") from None
-
-
-def parse_str_list(values: list[str] | None, default: list[str]) -> list[str]:
-    if not values:
-        return list(default)
-    return [item.strip() for value in values for item in value.split(",") if item.strip()]
-
-
-def parse_pairs(values: list[str] | None) -> list[tuple[int, int]]:
-    """`-pg PP,TG`, repeatable."""
-    out = []
-    for value in values or []:
-        parts = value.split(",")
-        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-            raise UsageError(f"-pg: expected PP,TG, got '{value}'")
-        out.append((int(parts[0]), int(parts[1])))
-    return out
-
-
-def parse_flash_attn(values: list[str] | None) -> list[int]:
-    out = []
-    for item in parse_str_list(values, [BENCH_OPTIONS["flash_attn"].default]):
-        if item.lower() not in FLASH_ATTN:
-            raise UsageError(f"-fa: expected on, off, auto, 1, 0 or -1, got '{item}'")
-        out.append(FLASH_ATTN[item.lower()])
-    return out
-
-
-def parse_spec_chains(values: list[str] | None) -> list[str]:
-    """Sweep values of --spec-type: `;` or a repeated flag = another value, each a chain as everywhere else (comma
-    list); canonical names in priority order, joined by ','. `none` is the plain run, which every speculative sweep
-    includes anyway, so it is dropped here."""
-    chains: list[str] = []
-    for value in values or []:
-        for item in value.split(";"):
-            if "+" in item:  # the syntax of earlier versions, where a comma started the next sweep value
-                raise UsageError(f"--spec-type '{item}': join a chain with ',' (ngram-mod,draft-simple) and separate "
-                                 "sweep values with ';' or a repeated --spec-type")
-            chain = ",".join(parse_spec_types(item))
-            if chain and chain not in chains:
-                chains.append(chain)
-    return chains
+def spec_chains(chains: list[str] | None) -> list[str]:
+    """The chains a --spec-type sweep runs (spec_cli/options.py `spec_chain`: canonical names in priority order,
+    joined by ','): `none` is the plain run, which every speculative sweep includes anyway, so it is dropped here,
+    and so are repeats."""
+    return list(dict.fromkeys(c for c in chains or [] if c))
 
 
 def chain_types(chain: str) -> list[str]:
@@ -148,8 +53,7 @@ def chain_types(chain: str) -> list[str]:
 
 
 def _default(name: str):
-    """A sweep's default: one value, its flag's (spec_cli/options.py BENCH)."""
-    return field(default_factory=lambda: [BENCH_OPTIONS[name].default])
+    return field(default_factory=lambda: _default_value(name))
 
 
 @dataclass
@@ -164,15 +68,15 @@ class BenchParams:
     n_batch: list[int] = _default("n_batch")
     n_ubatch: list[int] = _default("n_ubatch")
     n_threads: list[int] = field(default_factory=lambda: [0])  # 0 = torch's default, resolved by the runner
-    n_gpu_layers: list[int] = field(default_factory=lambda: [DEFAULT_GPU_LAYERS])
+    n_gpu_layers: list[int] = _default("n_gpu_layers")
     devices: list[str] = _default("devices")
-    flash_attn: list[int] = field(default_factory=lambda: parse_flash_attn(None))  # recorded only (torch SDPA picks)
+    flash_attn: list[int] = _default("flash_attn")  # recorded only (torch SDPA picks)
     dtype: list[str] = _default("dtype")
     compile: list[str] = _default("compile")  # --compile: auto | on | off (compiled.py)
     # speculative sweep
     spec_type: list[str] = field(default_factory=list)  # chains, canonical names joined by ','
     model_draft: list[str] = field(default_factory=list)
-    n_gpu_layers_draft: list[int] = field(default_factory=lambda: [DEFAULT_GPU_LAYERS])
+    n_gpu_layers_draft: list[int] = _default("n_gpu_layers_draft")
     devices_draft: list[str] = field(default_factory=lambda: [""])  # "" = the target's device
     draft_vocab: list[int] = _default("draft_vocab")
     draft_max: list[int | str] = _default("draft_max")  # ints and/or "auto"
@@ -181,7 +85,7 @@ class BenchParams:
     spec_verify: list[str] = _default("spec_verify")
     spec_select: list[str] = _default("spec_select")
     spec_mtp_rollback: list[str] = _default("spec_mtp_rollback")
-    ngram: dict[str, list[int]] = field(default_factory=lambda: {f: [BENCH_OPTIONS[f].default] for f in NGRAM_FIELDS})
+    ngram: dict[str, list[int]] = field(default_factory=lambda: {f: _default_value(f) for f in NGRAM_FIELDS})
     temp: list[float] = _default("temp")  # greedy by default: reproducible, lossless speculation
     prompt_sets: list[str] = field(default_factory=list)  # built-in set names or .jsonl paths
     # which test kinds run
@@ -199,30 +103,7 @@ class BenchParams:
         return bool(self.spec_type or self.prompt_sets)
 
     def validate(self) -> None:
-        for name in ("n_prompt", "n_gen", "n_depth", "draft_min", "draft_vocab", "n_batch", "n_ubatch"):
-            if not all(BENCH_OPTIONS[name].within(v) for v in getattr(self, name)):
-                raise UsageError(f"{name} values must be {BENCH_OPTIONS[name].bounds_text()}")
-        if not BENCH_OPTIONS["tensor_parallel"].within(self.tensor_parallel):
-            raise UsageError(f"-tp must be {BENCH_OPTIONS['tensor_parallel'].bounds_text()}")
-        for value in self.draft_max:
-            parse_draft_max(value)
-        if any(v < 0 for v in self.n_threads):
-            raise UsageError("-t values must be >= 1")
-        p_min = BENCH_OPTIONS["draft_p_min"]
-        if not all(p_min.within(p) for p in self.draft_p_min):
-            raise UsageError(f"--draft-p-min values must be {p_min.bounds_text()}")
-        if any(v not in VERIFY_MODES for v in self.spec_verify):
-            raise UsageError(f"--spec-verify values must be one of {', '.join(VERIFY_MODES)}")
-        for value in self.spec_select:
-            check_select(value)
-        for value in self.spec_mtp_rollback:
-            check_rollback(value)
-        for value in self.compile:
-            check_mode(value)
-        if self.repetitions < 1:
-            raise UsageError("-r must be at least 1")
-        if self.verify_cost < 0:
-            raise UsageError("--verify-cost must be >= 0")
+        """What no one flag's parser can check (theirs ran in `from_flags`)."""
         if self.speculative and not any(self.n_gen):
             raise UsageError("speculative tests need -n > 0 (tokens generated per prompt)")
 
@@ -336,47 +217,27 @@ def _listed_draft(model: str) -> list[str]:
 
 
 def from_flags(flags: dict) -> BenchParams:
-    """The command's raw flag values (lists of strings as typed, None when absent) -> BenchParams.
+    """The command's flag values (spec_cli/options.py `read_flags`: a sweep's as a list, None when absent) ->
+    BenchParams.
 
     Which kinds run: the pp/tg/pg tests by default; when a speculative sweep (`--spec-type`, `-md`, `--prompts`,
     `--prompt-set`) or `--verify-cost` is asked for, only if `-p`/`-pg` (or, without a sweep, `-n`) is given too,
     because in a sweep `-n` is the number of tokens generated per prompt."""
-    spec_type = parse_spec_chains(flags.get("spec_type"))
-    model_draft = parse_str_list(flags.get("model_draft"), [])
+    d = BenchParams()
+    spec_type = spec_chains(flags.get("spec_type"))
+    model_draft = swept(flags, "model_draft", [])
     if model_draft and not spec_type:
         spec_type = ["draft-simple"]  # -md alone enables draft-simple, as in every other command (#25345)
-    prompt_sets = parse_str_list(flags.get("prompt_set"), []) + list(flags.get("prompts") or [])
+    prompt_sets = swept(flags, "prompt_set", []) + swept(flags, "prompts", [])
     speculative = bool(spec_type or prompt_sets)
-    d = BenchParams()
     verify_cost = flags.get("verify_cost") or d.verify_cost
     explicit = bool(flags.get("n_prompt") or flags.get("n_pg") or (flags.get("n_gen") and not speculative))
+    lists = {name: swept(flags, name, getattr(d, name)) for name in _LISTS}
     return BenchParams(
-        model=parse_str_list(flags.get("model"), d.model),
-        n_prompt=parse_int_list(flags.get("n_prompt"), d.n_prompt, "-p"),
-        n_gen=parse_int_list(flags.get("n_gen"), d.n_gen, "-n"),
-        n_pg=parse_pairs(flags.get("n_pg")),
-        n_depth=parse_int_list(flags.get("n_depth"), d.n_depth, "-d"),
-        n_batch=parse_int_list(flags.get("n_batch"), d.n_batch, "-b"),
-        n_ubatch=parse_int_list(flags.get("n_ubatch"), d.n_ubatch, "-ub"),
-        n_threads=parse_int_list(flags.get("n_threads"), d.n_threads, "-t"),
-        n_gpu_layers=parse_gpu_layers_list(flags.get("n_gpu_layers"), d.n_gpu_layers, "-ngl"),
-        devices=parse_str_list(flags.get("devices"), d.devices),
-        flash_attn=parse_flash_attn(flags.get("flash_attn")),
-        dtype=parse_str_list(flags.get("dtype"), d.dtype),
-        compile=parse_str_list(flags.get("compile"), d.compile),
-        spec_type=spec_type,
-        model_draft=model_draft,
-        n_gpu_layers_draft=parse_gpu_layers_list(flags.get("n_gpu_layers_draft"), d.n_gpu_layers_draft, "-ngld"),
-        devices_draft=parse_str_list(flags.get("device_draft"), d.devices_draft),
-        draft_vocab=parse_int_list(flags.get("draft_vocab"), d.draft_vocab, "--draft-vocab"),
-        draft_max=parse_draft_max_list(flags.get("draft_max"), d.draft_max),
-        draft_min=parse_int_list(flags.get("draft_min"), d.draft_min, "--draft-min"),
-        draft_p_min=parse_float_list(flags.get("draft_p_min"), d.draft_p_min, "--draft-p-min"),
-        spec_verify=parse_str_list(flags.get("spec_verify"), d.spec_verify),
-        spec_select=parse_str_list(flags.get("spec_select"), d.spec_select),
-        spec_mtp_rollback=parse_str_list(flags.get("spec_mtp_rollback"), d.spec_mtp_rollback),
-        ngram={f: parse_int_list(flags.get(f), d.ngram[f], "--spec-" + f.replace("_", "-")) for f in NGRAM_FIELDS},
-        temp=parse_float_list(flags.get("temp"), d.temp, "--temp"),
+        **lists, spec_type=spec_type, model_draft=model_draft,
+        n_pg=swept(flags, "n_pg", []),
+        devices_draft=swept(flags, "device_draft", d.devices_draft),
+        ngram={f: swept(flags, f, d.ngram[f]) for f in NGRAM_FIELDS},
         prompt_sets=prompt_sets or ([BENCH_OPTIONS["prompt_set"].default] if spec_type else []),
         random_tests=explicit or not (speculative or verify_cost),
         verify_cost=verify_cost,
@@ -386,6 +247,12 @@ def from_flags(flags: dict) -> BenchParams:
         delay=flags.get("delay") or d.delay,
         tensor_parallel=flags.get("tensor_parallel") or d.tensor_parallel,
     )
+
+
+# the sweeps whose BenchParams field has the flag's name
+_LISTS = ("model", "n_prompt", "n_gen", "n_depth", "n_batch", "n_ubatch", "n_threads", "n_gpu_layers", "devices",
+          "flash_attn", "dtype", "compile", "n_gpu_layers_draft", "draft_vocab", "draft_max", "draft_min",
+          "draft_p_min", "spec_verify", "spec_select", "spec_mtp_rollback", "temp")
 
 
 def default_values() -> dict:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from spec_cli.errors import SpecCliError
-from spec_cli.speculative.adaptive import AUTO
+from spec_cli.options import AUTO
 
 
 def _series(rows: list[dict]) -> dict[str, list[dict]]:

@@ -50,9 +50,9 @@ from spec_cli.model.batch import Batch
 from spec_cli.model.context import Context
 from spec_cli.model.loader import LoadedModel
 from spec_cli.model.sampling import SamplingParams
+from spec_cli.options import draft_bound
 from spec_cli.runtime.engine import EngineOptions, assemble_engine, context_class, load_target, resolve
 from spec_cli.runtime.session import Session
-from spec_cli.speculative.adaptive import draft_bound
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.draft_model import check_vocab_compatible
 from spec_cli.speculative.stats import DrafterStats
@@ -211,8 +211,7 @@ def run_bench(params: BenchParams, progress: Progress | None = None) -> list[Res
             for i, run in spec_runs:
                 progress.test(i, _describe(run.inst) + (f" (rep {rep + 1}/{params.repetitions})"
                                                          if params.repetitions > 1 else ""))
-                if params.delay:
-                    time.sleep(params.delay)
+                time.sleep(params.delay)  # --delay: 0 by default
                 threads(run.inst)
                 run.repetition()
         for _, run in spec_runs:
@@ -233,8 +232,7 @@ def run_bench(params: BenchParams, progress: Progress | None = None) -> list[Res
                 spec_runs.append((i, SpecRun(model, draft, inst, head, params, prompt_sets[t.prompt_set], progress)))
                 continue
             progress.test(i, _describe(inst))
-            if params.delay:
-                time.sleep(params.delay)
+            time.sleep(params.delay)
             if t.kind == "verify":
                 rows += run_verify(model, inst, head, params, progress)
             else:

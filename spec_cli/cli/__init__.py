@@ -1,15 +1,20 @@
-"""The `spec-cli` command: registers one typer command per module and formats errors once (the `hf` pattern)."""
+"""The `spec-cli` command: registers one typer command per module and formats errors once (the `hf` pattern).
+
+The command modules load torch and the engine only inside a command that runs (cli/options.py `with_options`), so
+--help and a bad flag value answer in a fraction of a second."""
 
 from __future__ import annotations
 
-import gc
+import importlib
 import os
 import sys
+from collections.abc import Mapping
 
 import typer
 
-from spec_cli.errors import SpecCliError
-from spec_cli.speculative.registry import load_plugins
+from spec_cli.errors import SpecCliError, UsageError
+
+PLUGINS_ENV = "SPEC_CLI_PLUGINS"
 
 app = typer.Typer(
     name="spec-cli",
@@ -39,18 +44,26 @@ def _register() -> None:
 _register()
 
 
+def load_plugins(env: Mapping[str, str] = os.environ) -> None:
+    """Import the modules SPEC_CLI_PLUGINS names (a comma list); each registers its drafter types at import
+    (speculative/registry.py `register_drafter`)."""
+    for module in filter(None, (m.strip() for m in env.get(PLUGINS_ENV, "").split(","))):
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise UsageError(f"{PLUGINS_ENV}: cannot import '{module}' ({e})") from None
+
+
 def main() -> None:
     """Entry point: one-line errors with exit code 1 (runtime) or 2 (usage); SPEC_CLI_DEBUG=1 shows tracebacks."""
     debug = os.environ.get("SPEC_CLI_DEBUG") == "1"
-    from spec_cli.model.parallel import tensor_parallel
+    if "RANK" in os.environ:  # set by torchrun (parallel/comm.py), whose ranks > 0 serve rank 0's shards
+        from spec_cli.model.parallel import tensor_parallel
 
-    if tensor_parallel.followed_by_torchrun():  # torchrun's ranks > 0 serve rank 0's shards, whatever the command
-        tensor_parallel.torchrun_follower()
+        if tensor_parallel.followed_by_torchrun():
+            tensor_parallel.torchrun_follower()
     try:
-        load_plugins()  # SPEC_CLI_PLUGINS: drafter types of other packages, registered before --spec-type is read
-        # the ~176k objects of the imports (torch, typer, rich) live as long as the process: out of the collector's
-        # full passes, which took ~2 % of a qwen2.5-coder-1.5b decode under perf
-        gc.freeze()
+        load_plugins()  # drafter types of other packages, registered before --spec-type is read
         # without standalone mode click returns the code of a `typer.Exit` (and 130 for ^C) instead of exiting,
         # and a command's own return value (None) otherwise
         code = app(standalone_mode=False)

@@ -19,51 +19,9 @@ import sys
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.progress import Progress as RichProgress
 
-from spec_cli.bench.params import OUTPUT_FORMATS, Instance, from_flags
-from spec_cli.bench.runner import Progress, run_bench
-from spec_cli.cli.options import warn_cpu_layers, warn_no_effect, with_options
-from spec_cli.errors import UsageError
-from spec_cli.model.loader import parse_device
+from spec_cli.cli.options import with_options
 from spec_cli.options import BENCH, NO_EFFECT
-
-
-class _Report(Progress):
-    """The grid's size before anything loads (always), then a live bar over the timed runs on a terminal;
-    elsewhere (CI logs) one line per test with --progress, like llama-bench's; loads and samples with -v."""
-
-    def __init__(self, err: Console, repetitions: int, lines: bool, verbose: bool):
-        self.err, self.repetitions, self.verbose = err, repetitions, verbose
-        self.lines = lines and not err.is_terminal
-        self.bar = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True,
-                                disable=not err.is_terminal)
-        self.task = None
-        self.n_tests = 0
-
-    def start(self, tests: list[Instance], n_runs: int) -> None:
-        self.n_tests = len(tests)
-        self.task = self.bar.add_task("bench", total=n_runs)
-        r = self.repetitions
-        spec = " (a speculative run is one prompt of its set)" if any(i.test.kind == "spec" for i in tests) else ""
-        self._print(f"bench: {len(tests)} tests, {r} repetition{'s' * (r != 1)} each: {n_runs} timed runs{spec}")
-
-    def test(self, i: int, name: str) -> None:
-        self.bar.update(self.task, description=f"bench {i + 1}/{self.n_tests} {name}")
-        if self.lines:
-            self._print(f"bench {i + 1}/{self.n_tests}: {name}")
-
-    def runs_done(self, n: int = 1) -> None:
-        self.bar.advance(self.task, n)
-
-    def log(self, line: str) -> None:
-        if self.verbose:
-            self._print(line)
-
-    def _print(self, line: str) -> None:
-        self.err.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 @with_options(*BENCH)
@@ -77,10 +35,15 @@ def bench(opts: dict) -> None:
     prompt of its set in each repetition. The number of tests and timed runs is printed before anything loads;
     on a terminal a progress bar follows it.
     """
+    from spec_cli.bench.compare import compare, format_comparison, has_regression, load_results
+    from spec_cli.bench.params import from_flags
+    from spec_cli.bench.printers import format_rows
+    from spec_cli.bench.runner import run_bench
+    from spec_cli.cli.bench_report import BenchReport
+    from spec_cli.cli.settings import warn_cpu_layers, warn_no_effect
+    from spec_cli.model.loader import torch_device
+
     output, output_err = opts["output"], opts["output_err"]
-    for name, fmt in (("-o", output), ("-oe", output_err)):
-        if fmt is not None and fmt not in OUTPUT_FORMATS:
-            raise UsageError(f"{name} must be one of {', '.join(OUTPUT_FORMATS)}")
     params = from_flags(opts)
     if any(fa != -1 for fa in params.flash_attn):
         warn_no_effect("-fa", NO_EFFECT["-fa"])
@@ -88,15 +51,12 @@ def bench(opts: dict) -> None:
             ("-ngl", params.n_gpu_layers, params.devices, "the model"),
             ("-ngld", params.n_gpu_layers_draft, [dd or d for dd in params.devices_draft for d in params.devices],
              "the draft model")):
-        if any(parse_device(d).type == "cpu" for d in devices):
+        if any(torch_device(d).type == "cpu" for d in devices):
             warn_cpu_layers(flag, values, "cpu", which)
-    from spec_cli.bench.compare import compare, format_comparison, has_regression, load_results
-    from spec_cli.bench.printers import format_rows
-
     baseline = opts["baseline"]
     reference = load_results(baseline) if baseline else None  # a bad baseline fails before a long run
     err = Console(stderr=True)
-    report = _Report(err, params.repetitions, lines=opts["progress"], verbose=opts["verbose"])
+    report = BenchReport(err, params.repetitions, lines=opts["progress"], verbose=opts["verbose"])
     with report.bar:
         rows = [r.to_dict() for r in run_bench(params, report)]
     sys.stdout.write(format_rows(rows, output))

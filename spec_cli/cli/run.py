@@ -8,18 +8,23 @@ Examples:
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
-from spec_cli.cli.common import TextStream, read_prompt, run_prompt
-from spec_cli.cli.options import engine_options, sampling_params, with_options
-from spec_cli.cli.output import print_json, print_summary, stderr
+from spec_cli.cli.options import with_options
 from spec_cli.options import MODEL, PROMPT, SAMPLING, SPEC
-from spec_cli.runtime.generate import generate
-from spec_cli.runtime.session import Session, open_session
+
+if TYPE_CHECKING:
+    from spec_cli.runtime.session import Session
 
 
 @with_options(MODEL, PROMPT, SAMPLING, SPEC)
 def run(opts: dict) -> None:
     """Generate text from a prompt (llama-cli). Streams to stdout, then a summary on stderr."""
+    from spec_cli.cli.common import read_prompt, run_prompt
+    from spec_cli.cli.output import print_json, print_summary
+    from spec_cli.cli.settings import engine_options, sampling_params
+    from spec_cli.runtime.session import open_session
+
     interactive = opts["conversation"] and sys.stdin.isatty() and not opts["json_output"]
     text = read_prompt(opts, required=not interactive)
     sampling = sampling_params(opts)
@@ -37,6 +42,10 @@ def run(opts: dict) -> None:
 
 def chat_loop(session: Session, first: str | None, sampling, opts: dict) -> None:
     """Interactive conversation: the KV cache keeps the common prefix of the re-rendered chat between turns."""
+    from spec_cli.cli.common import TextStream
+    from spec_cli.cli.output import stderr
+    from spec_cli.runtime.generate import generate
+
     engine = session.engine
     tok = engine.tokenizer
     messages: list[dict] = []

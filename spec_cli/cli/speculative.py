@@ -11,11 +11,8 @@ import sys
 
 import typer
 
-from spec_cli.cli.common import read_prompt, run_prompt
-from spec_cli.cli.options import engine_options, sampling_params, text_log, with_options
-from spec_cli.cli.output import print_json, print_summary, print_text_log
+from spec_cli.cli.options import with_options
 from spec_cli.options import LOG, MODEL, PROMPT, SAMPLING, SPEC
-from spec_cli.runtime.session import open_session
 
 
 @with_options(MODEL, PROMPT, LOG, SAMPLING, SPEC)
@@ -24,7 +21,11 @@ def speculative_simple(
     color: bool = typer.Option(False, "--color", help="show tokens that came from accepted drafts in green"),
 ) -> None:
     """Speculative decoding of one prompt with end-of-run statistics (llama-speculative-simple)."""
-    text_lines = text_log(opts)
+    from spec_cli.cli.common import read_prompt, run_prompt
+    from spec_cli.cli.output import print_json, print_summary, print_text_log
+    from spec_cli.cli.settings import engine_options, sampling_params
+    from spec_cli.runtime.session import open_session
+
     text = read_prompt(opts)
     sampling = sampling_params(opts)
     session = open_session(engine_options(opts, speculative=True))
@@ -33,4 +34,4 @@ def speculative_simple(
         print_json(summary)
         return
     sys.stdout.write("\n")
-    (print_text_log if text_lines else print_summary)(summary)
+    (print_text_log if opts["log_format"] == "text" else print_summary)(summary)

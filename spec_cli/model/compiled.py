@@ -34,19 +34,11 @@ from dataclasses import dataclass
 
 import torch
 
-from spec_cli.errors import UsageError
 from spec_cli.model import kernels
 from spec_cli.model.transformer import ForwardPlan, Transformer
 
-MODES = ("auto", "on", "off")
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # sequences per step and rows per sequence, each padded up to one of these
 MIN_KV = 64  # the attended key range is padded to a power of two, at least this (at most the cache)
-
-
-def check_mode(value: str) -> str:
-    if value not in MODES:
-        raise UsageError(f"--compile must be one of {', '.join(MODES)}, got {value!r}")
-    return value
 
 
 def bucket(n: int) -> int | None:
@@ -66,10 +58,7 @@ def wanted(mode: str, model) -> bool:
     where it measurably wins and compiles in reasonable time: nowhere so far (README, "Compiled decode": a tie at
     best on the quantized CPU path, 1.1x on f32 for minutes of compiling; on CUDA 6-9x for plain decode, but 30-50 s
     per compile and not bit-identical to eager there: docs/cuda.md)."""
-    check_mode(mode)
-    if mode == "off" or not isinstance(model, Transformer):
-        return False
-    return mode == "on"
+    return mode == "on" and isinstance(model, Transformer)
 
 
 # --- the C++ block as a torch custom op --------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from spec_cli.errors import SpecCliError, UsageError
+from spec_cli.errors import SpecCliError
 from spec_cli.model import kernels
 from spec_cli.model.config import ModelConfig
 from spec_cli.model.gguf_file import GGUFFile
@@ -64,34 +64,27 @@ def is_auto_device(name: str | None) -> bool:
     return name in (None, "", "auto")
 
 
-def parse_device(name: str | None) -> torch.device:
-    """`-dev`: auto | cpu | cuda | cuda:N | none (= cpu), as llama.cpp's device names loosely."""
+def torch_device(name: str | None) -> torch.device:
+    """`-dev`'s value (options.device: auto | cpu | none | cuda | cuda:N) as the torch device; auto (also left out)
+    is CUDA where there is a GPU, none the CPU."""
     if is_auto_device(name):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.lower() in ("cpu", "none"):
-        return torch.device("cpu")
-    try:
-        device = torch.device(name.lower())
-    except RuntimeError:
-        raise UsageError(f"unknown device '{name}' (use cpu, cuda or cuda:N)") from None
+    device = torch.device("cpu" if name == "none" else name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SpecCliError(f"device '{name}' requested but CUDA is not available on this machine")
     return device
 
 
-_DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}  # --dtype's float names (options.py)
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
-def parse_dtype(name: str, device: torch.device) -> torch.dtype:
+def float_dtype(name: str, device: torch.device) -> torch.dtype:
     """Float dtype of activations and of weights that are not kept quantized: `auto` = bf16 on CUDA, f32 on the CPU
     (half precision matmuls are >100x slower on this kind of CPU)."""
-    table = {"f32": torch.float32, "float32": torch.float32, "f16": torch.float16, "float16": torch.float16,
-             "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in table:
-        raise UsageError(f"unknown --dtype '{name}' (use auto, f32, f16, bf16 or q)")
-    return table[name]
+    return _DTYPES[name]
 
 
 def cpu_bf16_is_fast() -> bool:
@@ -147,7 +140,7 @@ def weight_format(dtype: str, devices: list[torch.device]) -> tuple[bool, torch.
     bf16 on CUDA."""
     if dtype in ("q", "auto") and any(d.type == "cpu" for d in devices):
         return True, torch.float32
-    return False, parse_dtype("auto" if dtype == "q" else dtype, devices[-1])
+    return False, float_dtype("auto" if dtype == "q" else dtype, devices[-1])
 
 
 def load_model(
@@ -159,7 +152,7 @@ def load_model(
     t0 = time.perf_counter()
     gf = GGUFFile(path)
     cfg = ModelConfig.from_gguf(gf)
-    devices, output_device = layer_devices(cfg.n_layer_main, parse_device(device), n_gpu_layers)
+    devices, output_device = layer_devices(cfg.n_layer_main, torch_device(device), n_gpu_layers)
     quantize, torch_dtype = weight_format(dtype, devices + [output_device])
     quantize = quantize and _kernels_for(dtype)
     with torch.device("meta"):

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from spec_cli.errors import UsageError
 from spec_cli.options import OPTIONS, RANDOM_SEED, default
 
 
@@ -54,17 +53,9 @@ class SamplingParams:
         return self.repeat_last_n != 0 and active
 
     def validate(self) -> None:
-        """Raise UsageError naming the first bad value."""
-        for name in ("temp", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
-            if not math.isfinite(getattr(self, name)):
-                raise UsageError(f"{name} must be a finite number, got {getattr(self, name)}")
-        for name, note in (("top_k", " (0 = off)"), ("top_p", ""), ("min_p", ""), ("repeat_penalty", " (1 = off)"),
-                           ("repeat_last_n", " (0 = off, -1 = whole sequence)")):
-            value = getattr(self, name)
-            if not OPTIONS[name].within(value):
-                raise UsageError(f"{name} must be {OPTIONS[name].bounds_text()}{note}, got {value}")
-        if not OPTIONS["seed"].within(self.seed):
-            raise UsageError(f"seed must be -1 (random) or in [0, 2^64), got {self.seed}")
+        """Raise UsageError naming the first bad value (by its flag: the options' own checks)."""
+        for name in vars(self):
+            OPTIONS[name].value(getattr(self, name))
 
 
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, params: SamplingParams) -> torch.Tensor:

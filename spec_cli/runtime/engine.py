@@ -91,8 +91,6 @@ def build_engine(opts: EngineOptions) -> Engine:
     """Load the models the options name (the draft model and MTP head only where the spec types use them), then
     assemble the engine around them."""
     if opts.threads:
-        if opts.threads < 1:
-            raise UsageError("--threads must be at least 1")
         torch.set_num_threads(opts.threads)
     opts = replace(opts, spec=implied_spec(opts))
     target = load_target(opts)

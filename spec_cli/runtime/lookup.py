@@ -12,7 +12,7 @@ import os
 import time
 from dataclasses import replace
 
-from spec_cli.errors import SpecCliError, UsageError
+from spec_cli.errors import SpecCliError
 from spec_cli.model.gguf_file import GGUFFile
 from spec_cli.runtime.engine import Engine, resolve
 from spec_cli.runtime.generate import Sequence
@@ -116,10 +116,6 @@ def lookup_figures(session: Session, s: Sequence, t_load_ms: float) -> dict:
 
 def simulate(tokens: list[int], n_ctx: int, n_draft: int, static_path: str | None, dynamic_path: str | None) -> dict:
     """llama-lookup-stats: replay `tokens` in chunks of n_ctx with the static and dynamic caches (not saved)."""
-    if n_ctx < 1:
-        raise UsageError("-c (chunk size) must be positive")
-    if n_draft < 0:
-        raise UsageError("--draft-max must be >= 0")
     t0 = time.perf_counter()
     nc_static = load_cache(static_path) if static_path else {}
     nc_dynamic = load_dynamic_cache(dynamic_path)

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from spec_cli.options import AUTO
 from spec_cli.runtime.engine import Engine, EngineOptions, build_engine, implied_spec
 from spec_cli.runtime.generate import Generator
-from spec_cli.speculative.adaptive import AUTO, Planner
+from spec_cli.speculative.adaptive import Planner
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.chain import Chain
 from spec_cli.speculative.registry import DrafterInputs, build_drafters

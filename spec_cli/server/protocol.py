@@ -25,7 +25,6 @@ from spec_cli.options import OPTIONS
 from spec_cli.runtime.generate import SpecOverrides
 from spec_cli.server.task import Completion
 from spec_cli.speculative.base import SpecParams
-from spec_cli.speculative.chain import parse_spec_types
 
 MAX_DRAFT = 256  # bound on per-request draft lengths
 MAX_STOPS = 16
@@ -169,9 +168,9 @@ class GenerationFields(Strict):
         types = None
         if spec.types is not None:
             try:
-                types = set(parse_spec_types(spec.types))
+                types = set(OPTIONS["spec_type"].value(spec.types, "speculative.types"))
             except UsageError as e:
-                raise ApiError(400, str(e).replace("--spec-type", "speculative.types"), param="speculative.types")
+                raise ApiError(400, str(e), param="speculative.types") from None
             missing = sorted(types - set(loaded))
             if missing:
                 raise ApiError(400, f"speculative.types {missing} not loaded by this server "

@@ -3,10 +3,8 @@ protocol read."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-from spec_cli.errors import UsageError
 from spec_cli.model.sampling import SamplingParams
 from spec_cli.options import default
 
@@ -23,23 +21,3 @@ class ServerSettings:
     allowed_hosts: list[str] = field(default_factory=list)  # Host names besides IP addresses and localhost
     max_body: int | None = None  # bytes a request body may have (None = no limit)
     read_timeout: float | None = None  # seconds a request's headers and body may take to arrive (None = no limit)
-
-    def __post_init__(self):
-        if self.api_key is not None:
-            check_api_key(self.api_key)
-        if self.max_body is not None and self.max_body < 1:
-            raise UsageError("--max-body-mib must be at least 1")
-        if self.read_timeout is not None and not 0 < self.read_timeout < math.inf:
-            raise UsageError("--read-timeout must be a number of seconds above 0")
-
-
-def check_api_key(key: str) -> None:
-    """A key a client can send as it is: an HTTP header value loses the whitespace around it (so such a key would
-    match no request), and a control character cannot be sent at all."""
-    if not key.strip():
-        raise UsageError("--api-key is empty (or only whitespace): give a key, or leave the flag out to serve "
-                         "without one")
-    if key != key.strip():
-        raise UsageError(f"--api-key {key!r} starts or ends with whitespace, which no client can send in a header")
-    if not key.isprintable():
-        raise UsageError(f"--api-key {key!r} holds a non-printable character")

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import math
 
-from spec_cli.errors import UsageError
+from spec_cli.options import DRAFT_MAX
 from spec_cli.speculative.verify_costs import COST_EMA, CostModel
 
-AUTO = "auto"
 # Upper bound of an adaptive draft (unless the drafter's own cap is lower, e.g. draft-mtp's 3): the default fixed
-# --draft-max, and past 16 rows the CPU verify cost grows about linearly, so longer drafts rarely pay.
-AUTO_DRAFT_MAX = 16
+# --draft-max (options.draft_bound), and past 16 rows the CPU verify cost grows about linearly, so longer drafts
+# rarely pay.
+AUTO_DRAFT_MAX = DRAFT_MAX
 
 ACCEPT_DECAY = 0.9  # per observation: memory of ~10 drafts, so the estimate follows the text as it changes
 PRIOR_ACCEPT = 0.5  # prior a_1 of a drafter never seen; position i > 1 starts from the estimate at i - 1
@@ -62,21 +62,6 @@ PROBE_BUDGET = 0.01
 # at 1.1-1.2 one-row forwards, draft-simple on free writing (96 % of its drafts accepted, half of its asks stopped by
 # p-min) was planned at 0.98-1.05x and ran at 0.97x of plain. A free drafter (n-gram) has nothing to lose by asking.
 ASK_MARGIN = 0.05
-
-
-def parse_draft_max(text: str | int) -> int | str:
-    """A --draft-max value: a non-negative integer or `auto`."""
-    value = str(text).strip().lower()
-    if value == AUTO:
-        return AUTO
-    if not value.isdigit():
-        raise UsageError(f"--draft-max must be a non-negative integer or auto, got '{text}'")
-    return int(value)
-
-
-def draft_bound(value: int | str) -> tuple[int, bool]:
-    """A parsed --draft-max as (upper bound on a draft, adaptive?)."""
-    return (AUTO_DRAFT_MAX, True) if value == AUTO else (int(value), False)
 
 
 class AcceptanceModel:

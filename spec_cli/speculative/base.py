@@ -32,14 +32,14 @@ class SpecParams:
     """Speculation settings (llama.cpp's `common_params_speculative`, flag defaults per ARCHITECTURE.md)."""
 
     types: list[str] = field(default_factory=list)  # canonical names, e.g. ["ngram-mod", "draft-simple"]
-    draft_max: int = DRAFT_MAX  # with `adaptive`, the upper bound of a draft (speculative/adaptive.py AUTO_DRAFT_MAX)
+    draft_max: int = DRAFT_MAX  # with `adaptive`, the upper bound of a draft (options.draft_bound)
     adaptive: bool = False  # --draft-max auto: each step's draft length is planned (speculative/adaptive.py)
     draft_min: int = default("draft_min")
     draft_p_min: float = default("draft_p_min")
     draft_vocab: int = default("draft_vocab")  # draft-simple's output rows (speculative/draft_vocab.py); 0 = all
     verify: str = default("spec_verify")  # auto | match | rejection
-    select: str = default("spec_select")  # priority | gain: how the chain picks a sequence's draft (chain.SELECT_MODES)
-    mtp_rollback: str = default("spec_mtp_rollback")  # partial | reeval (speculative/mtp.py ROLLBACK_MODES)
+    select: str = default("spec_select")  # priority | gain: how the chain picks a draft (speculative/chain.py)
+    mtp_rollback: str = default("spec_mtp_rollback")  # partial | reeval (speculative/mtp.py)
     ngram_simple_size_n: int = default("ngram_simple_size_n")
     ngram_simple_size_m: int = default("ngram_simple_size_m")
     ngram_simple_min_hits: int = default("ngram_simple_min_hits")

@@ -1,5 +1,5 @@
-"""The drafter chain (llama.cpp `common_speculative`): `--spec-type` parsing, which drafter's draft a sequence
-verifies, and the counters/timers wrapped around every drafter call.
+"""The drafter chain (llama.cpp `common_speculative`): which drafter's draft a sequence verifies, and the
+counters/timers wrapped around every drafter call.
 
 Selection (`--spec-select`):
   priority  llama.cpp's: drafters are asked in the registry's fixed priority order, the first non-empty draft wins.
@@ -16,42 +16,10 @@ import time
 from contextlib import contextmanager
 from dataclasses import replace
 
-from spec_cli.errors import UsageError
 from spec_cli.model.batch import Batch
 from spec_cli.speculative.adaptive import AcceptanceModel, Planner, expected_tokens
 from spec_cli.speculative.base import Drafter, DraftParams
-from spec_cli.speculative.registry import drafter_types, spec_type_names
 from spec_cli.speculative.stats import DrafterStats
-
-SELECT_MODES = ("priority", "gain")
-
-
-def parse_spec_types(values: list[str] | str | None) -> list[str]:
-    """Comma lists, repeatable; `none` anywhere disables; returns canonical names in priority order."""
-    if values is None:
-        return []
-    if isinstance(values, str):
-        values = [values]
-    known = spec_type_names()
-    names: list[str] = []
-    for value in values:
-        for raw in value.split(","):
-            name = raw.strip().lower()
-            if not name:
-                continue
-            if name != "none" and name not in known:
-                raise UsageError(f"unknown --spec-type '{raw.strip()}' (valid: {', '.join(['none', *known])})")
-            names.append(known.get(name, name))
-    if "none" in names:
-        return []
-    return [n for n in drafter_types() if n in names]
-
-
-def check_select(value: str) -> str:
-    """A --spec-select value, checked."""
-    if value not in SELECT_MODES:
-        raise UsageError(f"unknown --spec-select '{value}' (choose from {', '.join(SELECT_MODES)})")
-    return value
 
 
 class Chain:

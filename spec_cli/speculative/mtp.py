@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from spec_cli.errors import SpecCliError, UsageError
+from spec_cli.errors import SpecCliError
 from spec_cli.model.batch import Batch
 from spec_cli.model.context import Context
 from spec_cli.model.mtp_head import MTPContext
@@ -51,14 +51,6 @@ from spec_cli.speculative.draft_model import DRAFT_TOP_K, IDLE_STEPS, RESTART_WI
 MTP_DRAFT_MAX = 3  # llama.cpp #23269: MTP acceptance falls off quickly with depth, so 3 (not the global 16)
 MTP_DRAFT_P_MIN = 0.0  # llama.cpp #23269 default for MTP (not the global 0.75)
 DEFER_MAX = 64  # head rows kept back for the next draft decode before `process` decodes them itself
-ROLLBACK_MODES = ("partial", "reeval")
-
-
-def check_rollback(value: str) -> str:
-    """A --spec-mtp-rollback value, checked."""
-    if value not in ROLLBACK_MODES:
-        raise UsageError(f"unknown --spec-mtp-rollback '{value}' (choose from {', '.join(ROLLBACK_MODES)})")
-    return value
 
 
 class MTPDrafter(Drafter):

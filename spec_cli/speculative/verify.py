@@ -23,8 +23,7 @@ import torch
 
 from spec_cli.errors import UsageError
 from spec_cli.model.sampling import Sampler, draw
-
-VERIFY_MODES = ("auto", "match", "rejection")
+from spec_cli.options import VERIFY_MODES
 
 
 def choose_mode(mode: str, has_draft_probs: bool, greedy: bool) -> str:

@@ -22,10 +22,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from spec_cli.errors import SpecCliError, UsageError
+from spec_cli.errors import SpecCliError
+from spec_cli.options import PROMPT_SETS
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "prompts"
-BUILTIN_SETS = ("code-edit", "summarize", "qa", "writing", "chat")
 PLACEHOLDER = re.compile(r"\{\{(source|doc):([\w.]+)\}\}")
 
 
@@ -43,13 +43,8 @@ class PromptSet:
 
 
 def load_prompt_set(name_or_path: str) -> PromptSet:
-    """A built-in set by name, or a .jsonl file (its set name is the file's stem)."""
-    path = Path(name_or_path)
-    if name_or_path in BUILTIN_SETS:
-        path = BUILTIN_DIR / f"{name_or_path}.jsonl"
-    elif not path.is_file():
-        raise UsageError(f"unknown prompt set '{name_or_path}' (built-in: {', '.join(BUILTIN_SETS)}; "
-                         "or a .jsonl file)")
+    """A built-in set by name (options.PROMPT_SETS), or a .jsonl file (its set name is the file's stem)."""
+    path = BUILTIN_DIR / f"{name_or_path}.jsonl" if name_or_path in PROMPT_SETS else Path(name_or_path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:

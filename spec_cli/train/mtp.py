@@ -32,7 +32,7 @@ from spec_cli.errors import SpecCliError
 from spec_cli.model.config import ModelConfig
 from spec_cli.model.loader import LoadedModel
 from spec_cli.model.mtp_head import MTPHead, write_gguf_with_head
-from spec_cli.options import DRAFT_VOCAB
+from spec_cli.options import MTP_TRAIN_OPTIONS
 from spec_cli.text.tokenizer import Tokenizer
 from spec_cli.train.data import (
     Progress,
@@ -46,20 +46,25 @@ from spec_cli.train.data import (
 from spec_cli.train.mtp_features import Features, head_forward, shifted, target_features
 
 
+def _default(name: str):
+    """A training setting's default: its mtp-train flag's (spec_cli/options.py MTP_TRAIN)."""
+    return MTP_TRAIN_OPTIONS[name].default
+
+
 @dataclass
 class TrainConfig:
-    steps: int = 1200
-    lr: float = 5e-4
-    seq_len: int = 256
-    batch: int = 4
-    data_tokens: int = 196608  # training tokens run through the target (text + generations)
-    gen_tokens: int = 98304  # of which: windows holding the target's own chat answers (they matter most, README)
-    eval_tokens: int = 2048  # held-out tokens for the acceptance estimate
+    steps: int = _default("steps")
+    lr: float = _default("lr")
+    seq_len: int = _default("seq_len")
+    batch: int = _default("batch")
+    data_tokens: int = _default("data_tokens")  # training tokens run through the target (text + generations)
+    gen_tokens: int = _default("gen_tokens")  # of which: windows of the target's own chat answers (they matter most)
+    eval_tokens: int = _default("eval_tokens")  # held-out tokens for the acceptance estimate
     cos_weight: float = 1.0
     ridge: float = 1e-2  # relative L2 regularisation of the eh_proj least-squares init
-    checkpoint_every: int = 50
-    draft_vocab: int = DRAFT_VOCAB  # tokens the head drafts among (most frequent in the training data); 0 = all
-    seed: int = 0
+    checkpoint_every: int = _default("checkpoint_every")
+    draft_vocab: int = _default("draft_vocab")  # tokens the head drafts among (most frequent in the training data)
+    seed: int = _default("seed")
 
 
 # --- the head -----------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from spec_cli.errors import SpecCliError, UsageError
-from spec_cli.model.loader import is_auto_device, parse_device
+from spec_cli.model.loader import is_auto_device, torch_device
 
 TIMEOUT = timedelta(seconds=120)  # loading a large shard on a follower counts against it (rank 0 waits meanwhile)
 
@@ -56,7 +56,7 @@ def rank_device(device: str | None) -> torch.device:
     n_gpus = torch.cuda.device_count()
     if is_auto_device(device):
         return torch.device("cuda", local_rank) if n_gpus >= n_local else torch.device("cpu")
-    if parse_device(device).type != "cuda":
+    if torch_device(device).type != "cuda":
         return torch.device("cpu")
     if local_rank >= n_gpus:
         raise UsageError(f"-tp: rank {local_rank} needs cuda:{local_rank} but this machine has {n_gpus} CUDA "
