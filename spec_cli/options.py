@@ -39,6 +39,7 @@ class Invalid(Exception):
         return UsageError(f"{name} must be {self} (got {_quoted(got)})")
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # the largest float32: sampling and the kernels compute in float32
 Parser = Callable[[Any], Any]  # a flag's value as typer converted it (str, int or list) -> what the engine takes
 
 
@@ -86,9 +87,10 @@ class Opt:
             raise e.usage(name or self.flags[0], raw) from None
 
     def check(self, value: Any) -> Any:
-        """`value` if it is within the bounds (and finite, a float); else Invalid."""
-        if isinstance(value, float) and not math.isfinite(value):
-            raise Invalid("a finite number")
+        """`value` if it is within the bounds (and, a float, within float32's range: the engine computes in float32,
+        where a larger value is inf); else Invalid."""
+        if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+            raise Invalid(f"a finite number of float32's range (at most {FLOAT32_MAX:.4g})")
         if isinstance(value, (int, float)) and not self.within(value):
             raise Invalid(self.bounds_text())
         return value

@@ -21,14 +21,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from spec_cli.errors import UsageError
 from spec_cli.model.sampling import SamplingParams
-from spec_cli.options import OPTIONS
+from spec_cli.options import FLOAT32_MAX, OPTIONS
 from spec_cli.runtime.generate import SpecOverrides
 from spec_cli.server.task import Completion
 from spec_cli.speculative.base import SpecParams
 
 MAX_DRAFT = 256  # bound on per-request draft lengths
 MAX_STOPS = 16
-FLOAT32_MAX = 3.4028234663852886e38  # the sampler computes in float32
 
 
 class ApiError(Exception):
