@@ -12,7 +12,7 @@ qlinear.py, ...; under each --compile value of --compile, `off` alone by default
 Alternatives are interleaved in one process (f32, q, f32, q, ...) so that the load of a shared machine hits them
 alike; the load average is printed with the results because absolute figures move with it. Ratios are the
 figures to compare: `tg vs f32`, and with --compile off,on `compiled / eager` (each dtype's --compile on against its
-off, in the same rounds). A table goes to stdout, and one JSON document with every sample to --json.
+off), both medians of the ratios within a round. A table goes to stdout, and one JSON document with every sample to --json.
 
   python scripts/measure_engine.py                                  # four models, f32 and q, 2 threads
   python scripts/measure_engine.py --models qwen2.5-coder-1.5b --dtypes q --reps 5 --json out.json
@@ -164,8 +164,11 @@ def print_tables(results: list[dict], args) -> None:
 
 
 def ratio(entry: dict, base: dict | None) -> str:
-    """entry's tg speed over base's (measured in the same rounds), or '-' without a base."""
-    return f"{entry['tg_tps_median'] / base['tg_tps_median']:.2f}x" if base else "-"
+    """entry's tg speed over base's: the median of the rounds' ratios (each round runs every configuration once, so
+    a round's pair saw about the same load), or '-' without a base."""
+    if base is None:
+        return "-"
+    return f"{statistics.median(a / b for a, b in zip(entry['tg_tps'], base['tg_tps'])):.2f}x"
 
 
 def main() -> None:
