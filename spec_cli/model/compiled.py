@@ -237,7 +237,7 @@ class CompiledStep:
 
         before, compiling_before = counters["stats"]["unique_graphs"], compile_seconds()
         call = (time.perf_counter(), G, T)
-        self._call = call  # the watcher thread shows a progress line while a call lasts over half a second
+        self._call = call  # the watcher thread shows a progress line while a call compiles for over half a second
         if self._watcher is None:
             self._watcher = threading.Thread(target=self._watch, daemon=True, name="spec-cli-compile-progress")
             self._watcher.start()
@@ -250,7 +250,7 @@ class CompiledStep:
             with self._lock:
                 self._call = None
                 if self._shown is call or graphs:  # every compile ends its line, a short one (cached) too
-                    self._end_line(call, seconds if graphs else time.perf_counter() - call[0])
+                    self._end_line(call, seconds)
                 self._shown = None
             self.stats.graphs += graphs
             self.stats.seconds += seconds
@@ -264,13 +264,15 @@ class CompiledStep:
         sys.stderr.flush()
 
     def _watch(self) -> None:
-        """Polls the call in flight; one that lasts over half a second is compiling: a line on stderr, its seconds
-        rewritten in place on a terminal (the call ends the line)."""
+        """Polls the call in flight; one that has compiled for over half a second gets a line on stderr, its seconds
+        rewritten in place on a terminal (the call ends the line). A slow step that compiles nothing gets none."""
         while True:
             time.sleep(0.25)
             with self._lock:
                 call = self._call
                 if call is None or time.perf_counter() - call[0] < 0.5:
+                    continue
+                if self._shown is not call and not torch.compiler.is_compiling():  # dynamo's flag, process-wide
                     continue
                 if self._shown is not call:
                     self._shown = call
