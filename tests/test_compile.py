@@ -2,8 +2,8 @@
 
 On the float path (--dtype f32: inductor's own kernels around torch's matmuls) the logits are eager's bits. Through
 the public API (plain, ngram-simple and draft-simple, whose draft model is compiled too; 1 and 4 sequences) and
-through the installed console script, compiled == eager token for token. On the default CPU path (quantized
-weights: a step's blocks are one C++ call) `--compile on` says so in one line and runs eager. The time spent
+through the installed console script, compiled == eager token for token. On the default CPU path (the kernels,
+--dtype q: a step's blocks are one C++ call) `--compile on` says so in one line and runs eager. The time spent
 compiling is left out of the prompt and generation timings.
 
 Kept lean for CI: tiny models, few shapes, one inductor cache directory for the whole session.
