@@ -47,6 +47,7 @@ from spec_cli.bench.params import BenchParams, Instance, Test, chain_types, inst
 from spec_cli.bench.verify_cost import curve
 from spec_cli.errors import SpecCliError
 from spec_cli.model.batch import Batch
+from spec_cli.model.compiled import clock, run_seconds
 from spec_cli.model.context import Context
 from spec_cli.model.loader import LoadedModel
 from spec_cli.model.sampling import SamplingParams
@@ -277,6 +278,11 @@ def compile_seconds(ctx: Context) -> float:
     return step.stats.seconds if step is not None else 0.0
 
 
+def _run_ns(start: tuple[float, float], end: tuple[float, float]) -> int:
+    """A timed span in ns, less the compiling inside it (compiled.run_seconds; that goes to compile_s)."""
+    return round(run_seconds(start, end) * 1e9)
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -348,12 +354,12 @@ def run_random(model: BenchModel, inst: Instance, head: dict, params: BenchParam
     for _ in range(params.repetitions):
         ctx.seq_rm(0, t.n_depth)
         sync()
-        t0 = time.perf_counter_ns()
+        t0 = clock()
         n_past = decode_random(ctx, t.n_prompt, t.n_depth, rng, bos) if t.n_prompt else t.n_depth
         if t.n_gen:
             gen_random(ctx, t.n_gen, n_past, rng, bos, sync)
         sync()
-        ns = time.perf_counter_ns() - t0
+        ns = _run_ns(t0, clock())  # a compile inside a repetition goes to compile_s
         row.samples_ns.append(ns)
         row.samples_ts.append(1e9 * (t.n_prompt + t.n_gen) / ns)
         progress.runs_done()
@@ -460,11 +466,11 @@ def _generate(session: Session, tokens: list[int], sampling: SamplingParams, n_p
     """One prompt through the shared step loop; times the prefill and the generation phase apart."""
     gen = session.generator()
     sync()
-    t0 = time.perf_counter_ns()
+    t0 = clock()
     gen.start(0, tokens, sampling, n_predict)
     s = gen.active[0]
     sync()
-    t1 = time.perf_counter_ns()
+    t1 = clock()
     while not s.done:
         drafted, accepted = s.n_drafted, s.n_accepted
         gen.step()
@@ -472,10 +478,10 @@ def _generate(session: Session, tokens: list[int], sampling: SamplingParams, n_p
             tally.stats.observe_draft(s.n_drafted - drafted)
             tally.stats.observe_accept(s.n_accepted - accepted)
     sync()
-    t2 = time.perf_counter_ns()
+    t2 = clock()
     gen.finish(0)
-    tally.prompt_ns += t1 - t0
-    tally.gen_ns += t2 - t1
+    tally.prompt_ns += _run_ns(t0, t1)
+    tally.gen_ns += _run_ns(t1, t2)
     tally.n_steps += s.n_steps
     tally.n_tokens += s.n_generated - 1  # the first token came from the prefill
     tally.draft_ms += gen.timings.t_draft_ms

@@ -139,8 +139,8 @@ def run_once(session: Session, tokens: list[int], sampling: SamplingParams, n_pr
     tm = gen.timings
     return RunResult(
         text=text, sequence=seq, load_ms=engine.target.load_ms + (engine.draft.load_ms if engine.draft else 0.0),
-        t_prompt_ms=tm.t_prompt_ms, t_gen_ms=total_ms - tm.t_prompt_ms - tm.t_calibrate_ms, n_prompt=tm.n_prompt,
-        n_gen=seq.n_generated,
+        t_prompt_ms=tm.t_prompt_ms, t_gen_ms=total_ms - tm.t_prompt_ms - tm.t_calibrate_ms - tm.t_compile_ms,
+        n_prompt=tm.n_prompt, n_gen=seq.n_generated,
         timings={"draft": tm.t_draft_ms, "verify": tm.t_verify_ms, "accept": tm.t_accept_ms},
     )
 

@@ -5,14 +5,14 @@ graph over the static KV cache, for decode and verify shapes only (at most ROW_B
 ROW_BUCKETS[-1] rows; longer prompt chunks, and a sequence's first row alone, run eager). The layers' weights are
 graph inputs, so a graph serves every model of the same shapes (a target and a same-size draft share it).
 
-- CPU: symbolic shapes (rows, sequences and the attended key range), nothing padded, so the logits are eager's bits:
-  padding rows or keys would change torch's matmul and SDPA sums on the float path.
-  - Quantized weights (the default): the blocks are already one C++ call (kernels.cpp `sc_blocks`), registered
-    as the torch op `spec_cli::blocks` (fake implementation; it writes the caches in place) so the step compiles
-    without graph breaks. The graph is that call: nothing is left to fuse, so it ties eager at best and `auto`
-    leaves it eager (docs/performance.md).
-  - Float weights (`--dtype f32`): inductor fuses the torch ops of `Block.forward_torch` around torch's matmuls and
-    SDPA; RMS norm (the kernels' own, as on the eager path) and GELU-tanh are custom ops, the eager bits.
+- CPU, float weights (`--dtype f32`): symbolic shapes (rows, sequences and the attended key range), nothing padded,
+  so the logits are eager's bits: padding rows or keys would change torch's matmul and SDPA sums. Inductor fuses the
+  torch ops of `Block.forward_torch` around torch's matmuls and SDPA; RMS norm (the kernels' own, as on the eager
+  path) and GELU-tanh are custom ops, the eager bits.
+- CPU kernels (`--dtype q`, the default where they are built): not compiled. A step's blocks are one C++ call there
+  (kernels.cpp `sc_blocks`); a graph around that call has nothing to fuse and only adds dynamo's guard check and
+  torch's dispatcher to every step (slower than eager before any compile time: `scripts/measure_engine.py --dtypes
+  q --compile off,on` compares them), so `--compile on` says so in a line on stderr and runs eager (`wanted`).
 - CUDA: the same graph (inductor's Triton kernels), shapes padded to the ROW_BUCKETS (groups and rows) and the key
   range to a power of two, rows and key range symbolic (one compile per group bucket); cuda_graphs.StepGraphs
   captures each padded shape's whole step (embedding to logits) as a CUDA graph around it. Ran on H100 and H200
@@ -21,11 +21,14 @@ graph inputs, so a graph serves every model of the same shapes (a target and a s
 Caches: dynamo's compiled frames live in the process; inductor's FX graph cache and AOTAutograd's cache (torch's
 defaults) are kept under `TORCHINDUCTOR_CACHE_DIR`, which spec-cli points at `~/.cache/spec-cli/torch-compile`
 (`SPEC_CLI_CACHE` moves it) unless the environment already sets it, so a second run skips code generation and the
-C++ compiler. A call that takes longer than half a second (a compile) shows a progress line on stderr.
+C++ compiler. Every compile shows a line on stderr (`compiling NAME decode step (G x T rows) ... done in S s`; a
+progress line while it lasts over half a second); its seconds (`compile_seconds`) are left out of the prompt and
+generation timings (runtime/generate.py) and reported apart (bench's `compile_s`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -53,43 +56,58 @@ def kv_bucket(n_kv: int, n_ctx_seq: int) -> int:
     return min(n_ctx_seq, max(MIN_KV, 1 << max(n_kv - 1, 0).bit_length()))
 
 
-def wanted(mode: str, model) -> bool:
-    """Whether a context compiles its model's step: `on` always (where the model is a plain Transformer); `auto`
-    where it measurably wins and compiles in reasonable time: nowhere so far (README, "Compiled decode": a tie at
-    best on the quantized CPU path, 1.1x on f32 for minutes of compiling; on CUDA 6-9x for plain decode, but 30-50 s
-    per compile and not bit-identical to eager there: docs/cuda.md)."""
-    return mode == "on" and isinstance(model, Transformer)
+def wanted(mode: str, model, name: str) -> bool:
+    """Whether a context compiles its model's step: `on` where the model is a plain Transformer whose blocks are not
+    one kernel call (the CPU kernels' path, --dtype q: a line on stderr says why not); `auto` where it measurably wins
+    and compiles in reasonable time: nowhere so far (docs/commands.md, "Compiled decode": 1.1x on f32 for minutes of
+    compiling; on CUDA 6-9x for plain decode, but 30-50 s per compile and not bit-identical to eager there:
+    docs/cuda.md)."""
+    if mode != "on" or not isinstance(model, Transformer):
+        return False
+    if model.dtype == torch.float32 and model.block_stack() is not None:
+        _note_eager(name)
+        return False
+    return True
 
 
-# --- the C++ block as a torch custom op --------------------------------------------------------------------------
+@functools.cache  # once per model and process (a draft model of its own gets its own line)
+def _note_eager(name: str) -> None:
+    print(f"spec-cli: --compile on: {name}'s decoder blocks run as one C++ call on the CPU kernels (--dtype q), "
+          "which compiling can only slow down; running it eager (--dtype f32 compiles)", file=sys.stderr)
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling frames with torch.compile (dynamo's tracing, AOTAutograd, inductor,
+    the C++ compiler); 0 while nothing imported dynamo. A span's run time is its wall time less this one's growth."""
+    if "torch._dynamo" not in sys.modules:  # an eager process: importing dynamo here would cost seconds
+        return 0.0
+    from torch._dynamo.utils import calculate_time_spent
+
+    return calculate_time_spent().get("entire_frame_compile", 0.0)
+
+
+def clock() -> tuple[float, float]:
+    """(wall seconds, compile_seconds()): two of them bound a span for `run_seconds`."""
+    return time.perf_counter(), compile_seconds()
+
+
+def run_seconds(start: tuple[float, float], end: tuple[float, float]) -> float:
+    """The wall time between two `clock()`s less the compiling inside it: a step's first call of a new shape compiles
+    it; that time is reported apart (the compile line, bench's compile_s), never as prompt or generation speed."""
+    return (end[0] - start[0]) - (end[1] - start[1])
+
+
+# --- the eager ops in a graph -------------------------------------------------------------------------------------
 
 _registered = False
-_LIB = torch.library.Library("spec_cli", "FRAGMENT")  # kept for the process: dropping it unregisters the ops
 
 
 def register_ops() -> None:
-    """`torch.ops.spec_cli.blocks`: kernels.blocks_at as an op dynamo can put in a graph (writes the k/v caches in
-    place; x is copied first: the op returns its result)."""
+    """`torch.ops.spec_cli.rms_norm` (the kernels' norm) and `torch.ops.spec_cli.gelu_tanh` (aten's GELU): the float
+    path's eager bits inside a graph (transformer.RMSNorm and gelu call them while compiling)."""
     global _registered
     if _registered:
         return
-
-    # through the plain Library API, not torch.library.custom_op: custom_op's Python wrappers cost ~55 us per call
-    # on the CPU (when the op was one block: smollm2-135m compiled 0.71x of eager with them)
-    _LIB.define("blocks(Tensor stack, Tensor x, Tensor cos, Tensor sin, Tensor cos_swa, Tensor sin_swa, "
-                "Tensor row_seq, Tensor row_pos, Tensor row_write, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches) "
-                "-> Tensor")
-
-    def blocks_op(stack, x, cos, sin, cos_swa, sin_swa, row_seq, row_pos, row_write, k_caches, v_caches):
-        descs, swa = stack.tolist()
-        return kernels.blocks_at(descs, swa, x.clone(), [(cos, sin), (cos_swa, sin_swa)], row_seq, row_pos,
-                                 row_write, k_caches, v_caches)
-
-    _LIB.impl("blocks", blocks_op, "CPU")
-
-    @torch.library.register_fake("spec_cli::blocks")
-    def _(stack, x, cos, sin, cos_swa, sin_swa, row_seq, row_pos, row_write, k_caches, v_caches):
-        return torch.empty_like(x)
 
     @torch.library.custom_op("spec_cli::rms_norm", mutates_args=(), device_types="cpu")
     def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -111,14 +129,9 @@ def register_ops() -> None:
 
 
 def _layers(model: Transformer, x, positions, write_rows, write_seq, write_pos, kv_seqs, mask_full, mask_swa,
-            ropes, kv, stack, tables, row_seq, row_pos, row_write):
-    """Every decoder block of one step (Transformer.forward_hidden's loop), as one graph: on the kernels (`stack`
-    given: the `spec_cli::blocks` op) or in torch ops (Block.forward_torch)."""
-    G, T, D = x.shape
-    if stack is not None:
-        (cos, sin), (cos_swa, sin_swa) = tables
-        return torch.ops.spec_cli.blocks(stack, x.reshape(G * T, D), cos, sin, cos_swa, sin_swa, row_seq, row_pos,
-                                         row_write, [k for k, _ in kv], [v for _, v in kv]).view(G, T, D)
+            ropes, kv):
+    """Every decoder block of one step (Transformer.forward_hidden's loop) in torch ops (Block.forward_torch), as
+    one graph."""
     plan = ForwardPlan(positions, write_rows, write_seq, write_pos, kv_seqs, mask_full.shape[-1], mask_full, mask_swa)
     for layer, (k_cache, v_cache) in zip(model.layers, kv):
         x = layer.forward_torch(x, plan, ropes[int(layer.swa)], k_cache, v_cache)
@@ -139,6 +152,7 @@ def use_cache_dir() -> str:
 def _configure() -> None:
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
+    import torch.fx.experimental._config as shapes_config
 
     # one graph per (row bucket, layer kind) and per key bucket on CUDA: more than dynamo's default 8 per function
     for name in ("recompile_limit", "cache_size_limit"):
@@ -147,12 +161,18 @@ def _configure() -> None:
     if hasattr(dynamo_config, "accumulated_recompile_limit"):
         dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4096)
     inductor_config.fx_graph_cache = True
+    # the blocks' float attributes (norm eps, attention scale) as constants: symbolic floats (dynamic=True's default)
+    # made every compile trace the graph twice (tensorify_python_scalars restarts the analysis and specializes them)
+    dynamo_config.specialize_float = True
+    # rows and key range as two symbols even where they are equal: duck sizing gave them one on a prompt's first
+    # chunk (as many keys as rows), and the first step with fewer rows than keys (a verify) compiled again
+    shapes_config.use_duck_shape = False
 
 
 @dataclass
 class CompileStats:
     graphs: int = 0  # compiles (dynamo frames) this step caused
-    seconds: float = 0.0  # wall time of the calls that compiled
+    seconds: float = 0.0  # compile time inside this step's calls (compile_seconds: what the timings leave out)
     calls: int = 0  # forwards that ran compiled
 
 
@@ -178,7 +198,7 @@ class CompiledStep:
     def pads(self) -> bool:
         """Whether the step's shapes are padded to buckets: for CUDA graphs (one per shape). The CPU graphs take
         symbolic shapes, unpadded: padding rows or keys changes the float path's bits (torch's matmul and SDPA
-        sum in other blocks), and would cost the quantized path work for nothing."""
+        sum in other blocks)."""
         return self._pad
 
     @staticmethod
@@ -192,15 +212,7 @@ class CompiledStep:
     def __call__(self, model: Transformer, x: torch.Tensor, plan: ForwardPlan, kv) -> torch.Tensor:
         """x [G, T, D] after the embedding -> after the last block; the caches written as eager writes them."""
         G, T, _ = x.shape
-        stack = model.kernel_stack(x, kv)
-        ropes = tables = None
-        if stack is not None:  # the kernels index whole tables by row position
-            tables = model.kernel_ropes(plan.n_kv)
-            row_args = (plan.row_seq, plan.row_pos, plan.row_write)
-        else:  # torch's ops take the tables of the step's positions
-            by_kind = model.ropes(plan.positions, plan.n_kv)
-            ropes = [by_kind[False], by_kind[True]]
-            row_args = (None, None, None)
+        by_kind = model.ropes(plan.positions, plan.n_kv)  # the tables of the step's positions
         # the key range and rows are symbols from the first compile (else: one recompile on their change); on CUDA
         # too: one compiled graph, captured in a CUDA graph per padded shape (cuda_graphs.py)
         for mask in (plan.mask_full, plan.mask_swa):
@@ -208,17 +220,15 @@ class CompiledStep:
                 torch._dynamo.maybe_mark_dynamic(mask, 3)
         torch._dynamo.maybe_mark_dynamic(x, 1)
         args = (model, x, plan.positions, plan.write_rows, plan.write_seq, plan.write_pos, plan.kv_seqs,
-                plan.mask_full, plan.mask_swa, ropes, kv,
-                None if stack is None else stack.address, tables, *row_args)
+                plan.mask_full, plan.mask_swa, [by_kind[False], by_kind[True]], kv)
         return self._timed(self._fn, args, G, T)
 
     def _timed(self, fn, args, G: int, T: int):
         from torch._dynamo.utils import counters
 
-        before = counters["stats"]["unique_graphs"]
-        t0 = time.perf_counter()
-        call = (t0, G, T)
-        self._call = call  # the watcher thread shows a progress line while a call lasts over half a second
+        before, compiling_before = counters["stats"]["unique_graphs"], compile_seconds()
+        call = (time.perf_counter(), G, T)
+        self._call = call  # the watcher thread shows a progress line while a call compiles for over half a second
         if self._watcher is None:
             self._watcher = threading.Thread(target=self._watch, daemon=True, name="spec-cli-compile-progress")
             self._watcher.start()
@@ -226,32 +236,41 @@ class CompiledStep:
         try:
             return fn(*args)
         finally:
+            graphs = counters["stats"]["unique_graphs"] - before
+            seconds = compile_seconds() - compiling_before
             with self._lock:
                 self._call = None
-                if self._shown is call:
-                    what = f"\rcompiling {self.name} decode step ({G} x {T} rows):" if sys.stderr.isatty() else ""
-                    sys.stderr.write(f"{what} done in {time.perf_counter() - t0:.1f} s\n")
-                    sys.stderr.flush()
+                if self._shown is call or graphs:  # every compile ends its line, a short one (cached) too
+                    self._end_line(call, seconds)
                 self._shown = None
-            graphs = counters["stats"]["unique_graphs"] - before
-            if graphs:
-                self.stats.graphs += graphs
-                self.stats.seconds += time.perf_counter() - t0
+            self.stats.graphs += graphs
+            self.stats.seconds += seconds
+
+    def _end_line(self, call: tuple[float, int, int], seconds: float) -> None:
+        if self._shown is not call:
+            sys.stderr.write(f"{self._what(call)} with torch.compile ...")
+        elif sys.stderr.isatty():
+            sys.stderr.write(f"\r{self._what(call)}:")
+        sys.stderr.write(f" done in {seconds:.1f} s\n")
+        sys.stderr.flush()
 
     def _watch(self) -> None:
-        """Polls the call in flight; one that lasts over half a second is compiling: a line on stderr, its seconds
-        rewritten in place on a terminal (the call ends the line)."""
+        """Polls the call in flight; one that has compiled for over half a second gets a line on stderr, its seconds
+        rewritten in place on a terminal (the call ends the line). A slow step that compiles nothing gets none."""
         while True:
             time.sleep(0.25)
             with self._lock:
                 call = self._call
                 if call is None or time.perf_counter() - call[0] < 0.5:
                     continue
-                t0, G, T = call
+                if self._shown is not call and not torch.compiler.is_compiling():  # dynamo's flag, process-wide
+                    continue
                 if self._shown is not call:
                     self._shown = call
-                    sys.stderr.write(f"compiling {self.name} decode step ({G} x {T} rows) with torch.compile ...")
+                    sys.stderr.write(f"{self._what(call)} with torch.compile ...")
                 elif sys.stderr.isatty():
-                    sys.stderr.write(f"\rcompiling {self.name} decode step ({G} x {T} rows): "
-                                     f"{time.perf_counter() - t0:.0f} s")
+                    sys.stderr.write(f"\r{self._what(call)}: {time.perf_counter() - call[0]:.0f} s")
                 sys.stderr.flush()
+
+    def _what(self, call: tuple[float, int, int]) -> str:
+        return f"compiling {self.name} decode step ({call[1]} x {call[2]} rows)"

@@ -71,9 +71,10 @@ class Context:
 
         if getattr(self.loaded, "shard", None) is not None:  # -tp: the followers' contexts are not compiled
             return
-        if compiled.wanted(mode, self.model):
+        name = self.loaded.gguf.path.stem
+        if compiled.wanted(mode, self.model, name):
             on_cuda = any(d.type == "cuda" for d in self.model.layer_devices)
-            self.step = compiled.CompiledStep(self.loaded.gguf.path.stem, on_cuda)
+            self.step = compiled.CompiledStep(name, on_cuda)
             if on_cuda:
                 from spec_cli.model.cuda_graphs import StepGraphs
 

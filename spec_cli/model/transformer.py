@@ -339,7 +339,14 @@ class Transformer(nn.Module):
     def kernel_stack(self, x: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> "kernels.BlockStack | None":
         """Every block on the kernels in one call, or None where one block is not (float weights, CUDA, -ngl
         splits, -tp shards): then the blocks run one call each (Block.forward)."""
-        if not kernels.usable(x) or kv[0][0].dtype != torch.float32 or any(d.type != "cpu" for d in self.layer_devices):
+        if not kernels.usable(x) or kv[0][0].dtype != torch.float32:
+            return None
+        return self.block_stack()
+
+    def block_stack(self) -> "kernels.BlockStack | None":
+        """kernel_stack's stack for any step of float32 rows and caches, or None where a block is not on the
+        kernels or not on the CPU."""
+        if not kernels.available() or any(d.type != "cpu" for d in self.layer_devices):
             return None
         descs = tuple(layer.kernel_desc() for layer in self.layers)
         if any(d is None for d in descs):

@@ -17,6 +17,7 @@ import torch
 
 from spec_cli.errors import SpecCliError
 from spec_cli.model.batch import Batch
+from spec_cli.model.compiled import clock, run_seconds
 from spec_cli.model.context import Context
 from spec_cli.model.sampling import Sampler, SamplingParams
 from spec_cli.options import DRAFT_MAX, default
@@ -83,6 +84,16 @@ class Timings:
     t_accept_ms: float = 0.0  # verification + rollback + drafter accept
     n_steps: int = 0  # target decodes after the prompt
     t_calibrate_ms: float = 0.0  # --draft-max auto's one-time verify-cost calibration (not generation)
+    t_compile_ms: float = 0.0  # torch.compile's compiles inside the prompt and the steps, left out of their times
+
+
+def _ms(start: tuple[float, float], end: tuple[float, float]) -> float:
+    """A span's run time in ms (compiled.run_seconds: less the compiling inside it)."""
+    return run_seconds(start, end) * 1000
+
+
+def _compile_ms(start: tuple[float, float], end: tuple[float, float]) -> float:
+    return (end[1] - start[1]) * 1000
 
 
 class Generator:
@@ -110,7 +121,7 @@ class Generator:
             raise SpecCliError("empty prompt")
         if len(prompt) >= ctx.n_ctx_seq:
             raise SpecCliError(f"prompt is too long ({len(prompt)} tokens, the context holds {ctx.n_ctx_seq - 1})")
-        t0 = time.perf_counter()
+        t0 = clock()
         n_cached = min(n_cached, len(prompt) - 1)
         ctx.seq_rm(seq, n_cached)
         logits = None
@@ -133,7 +144,9 @@ class Generator:
         self.active[seq] = s
         if self.chain:
             self.chain.begin(seq, s.tokens)
-        self.timings.t_prompt_ms += (time.perf_counter() - t0) * 1000
+        t1 = clock()
+        self.timings.t_prompt_ms += _ms(t0, t1)
+        self.timings.t_compile_ms += _compile_ms(t0, t1)
         self.timings.n_prompt += len(prompt) - n_cached
         return self._emit(s, [first], 0)
 
@@ -147,9 +160,9 @@ class Generator:
             t = time.perf_counter()
             self.planner.costs.calibrate(self.target, seqs[0].seq)  # once per engine, at a real depth
             self.timings.t_calibrate_ms += (time.perf_counter() - t) * 1000
-        t0 = time.perf_counter()
+        t0 = clock()
         params = self._draft(seqs)
-        t1 = time.perf_counter()
+        t1 = clock()
         batch = Batch()
         rows: dict[int, int] = {}
         longest = 1
@@ -162,7 +175,7 @@ class Generator:
         out = self.target.decode(batch)
         if self.chain:
             self.chain.process(batch)
-        t2 = time.perf_counter()
+        t2 = clock()
         emitted = []
         for s in seqs:
             p = params.get(s.seq)
@@ -182,14 +195,15 @@ class Generator:
             s.tokens.append(s.id_last)
             s.tokens.extend(ids[:-1])
             emitted.append(self._emit(s, ids, n_acc))
-        t3 = time.perf_counter()
-        if self.planner is not None:
-            self.planner.observe_step(len(seqs) * longest, t3 - t1)  # context.py pads every sequence to `longest`
+        t3 = clock()
+        if self.planner is not None:  # context.py pads every sequence to `longest`
+            self.planner.observe_step(len(seqs) * longest, run_seconds(t1, t3))
         tm = self.timings
-        tm.t_draft_ms += (t1 - t0) * 1000
-        tm.t_verify_ms += (t2 - t1) * 1000
-        tm.t_accept_ms += (t3 - t2) * 1000
-        tm.t_gen_ms += (t3 - t0) * 1000
+        tm.t_draft_ms += _ms(t0, t1)
+        tm.t_verify_ms += _ms(t1, t2)
+        tm.t_accept_ms += _ms(t2, t3)
+        tm.t_gen_ms += _ms(t0, t3)
+        tm.t_compile_ms += _compile_ms(t0, t3)
         tm.n_steps += 1
         return emitted
 

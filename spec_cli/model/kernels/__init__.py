@@ -222,8 +222,7 @@ def block(desc: BlockDesc, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tens
 
 class BlockStack:
     """A model's decoder blocks for sc_blocks: their descriptors (each block's attention window set) and which use
-    the sliding-window rope base. `key` tells whether it still describes the model (model.Transformer.kernel_stack);
-    `address` is [descs, swa] as a tensor (compiled.py's op takes it as an input, not a constant to guard on)."""
+    the sliding-window rope base. `key` tells whether it still describes the model (model.Transformer.kernel_stack)."""
 
     def __init__(self, descs: tuple[BlockDesc, ...], windows: tuple[int, ...], swa: tuple[bool, ...]):
         for desc, window in zip(descs, windows):
@@ -232,7 +231,6 @@ class BlockStack:
         n = len(descs)
         self.descs = (_vp * n)(*(ctypes.addressof(d) for d in descs))  # the descs stay alive through `key`
         self.swa = (ctypes.c_uint8 * n)(*swa)
-        self.address = torch.tensor([ctypes.addressof(self.descs), ctypes.addressof(self.swa)], dtype=torch.int64)
 
 
 def blocks(stack: BlockStack, x: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]], row_seq: torch.Tensor,
@@ -240,22 +238,14 @@ def blocks(stack: BlockStack, x: torch.Tensor, ropes: list[tuple[torch.Tensor, t
            v_caches: list[torch.Tensor]) -> torch.Tensor:
     """Every block of `stack` over rows x [R, D] float32 contiguous, in place (x is overwritten and returned); ropes
     [full, sliding window] tables, rows as for qkv_prep, the caches of each block."""
-    return blocks_at(ctypes.addressof(stack.descs), ctypes.addressof(stack.swa), x, ropes, row_seq, row_pos,
-                     row_write, k_caches, v_caches)
-
-
-def blocks_at(descs: int, swa: int, x: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]],
-              row_seq: torch.Tensor, row_pos: torch.Tensor, row_write: torch.Tensor, k_caches: list[torch.Tensor],
-              v_caches: list[torch.Tensor]) -> torch.Tensor:
-    """`blocks` with the stack's arrays given by their addresses (BlockStack.address, for compiled.py's op)."""
     _sync_threads()
     n = len(k_caches)
     cos = (_vp * 2)(ropes[0][0].data_ptr(), ropes[1][0].data_ptr())
     sin = (_vp * 2)(ropes[0][1].data_ptr(), ropes[1][1].data_ptr())
     ks = (_vp * n)(*(k.data_ptr() for k in k_caches))
     vs = (_vp * n)(*(v.data_ptr() for v in v_caches))
-    rc = _lib.sc_blocks(n, descs, swa, x.data_ptr(), x.shape[0], cos, sin, row_seq.data_ptr(), row_pos.data_ptr(),
-                        row_write.data_ptr(), ks, vs, k_caches[0].shape[2])
+    rc = _lib.sc_blocks(n, stack.descs, stack.swa, x.data_ptr(), x.shape[0], cos, sin, row_seq.data_ptr(),
+                        row_pos.data_ptr(), row_write.data_ptr(), ks, vs, k_caches[0].shape[2])
     if rc:
         raise RuntimeError(f"sc_blocks failed ({rc}): unsupported weight type or shape")
     return x
