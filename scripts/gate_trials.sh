@@ -13,7 +13,7 @@ set -euo pipefail
 trials=${1:-20}
 out=${2:-gate-trials}
 paired_args=${PAIRED_ARGS:--m smollm2-135m -p 0 -n 64 -r 10 --max-regression 5}
-stored_args=${STORED_ARGS:--m qwen2.5-coder-0.5b -p 0 -n 64 -r 5 --max-regression 10}
+stored_args=${STORED_ARGS:--m qwen2.5-coder-0.5b -p 0 -n 64 -r 5 --max-regression 35}
 kinds=${KINDS:-self slow1.5 slow1.15 stored}
 mkdir -p "$out"
 

@@ -11,6 +11,7 @@ import pytest
 from spec_cli.bench.compare import (
     UNPAIRED,
     compare,
+    comparison_verdict,
     enough_samples,
     format_comparison,
     has_regression,
@@ -43,8 +44,8 @@ def test_clear_slowdown_fails():
     result = compare([row(samples_ts=(80.0, 81.0, 79.0))], [row(samples_ts=(100.0, 101.0, 99.0))], 5.0)
     assert [r.status for r in result] == ["regression"] and has_regression(result)
     assert result[0].ratio == pytest.approx(0.8) and result[0].apart
-    text = format_comparison(result, 5.0)
-    assert "FAIL: 1 row(s)" in text and text.startswith(UNPAIRED)
+    assert comparison_verdict(result, 5.0).startswith("FAIL: 1 row(s)")
+    assert format_comparison(result).startswith(UNPAIRED)
 
 
 def test_slowdown_within_threshold_passes():
@@ -74,7 +75,7 @@ def test_too_few_samples_never_fail():
         False, False, False, True, True, True]
     result = compare([row(samples_ts=(50.0, 50.0))], [row(samples_ts=(100.0, 100.0))], 5.0)
     assert result[0].status == "few samples" and not has_regression(result)
-    assert "use -r 3 or more" in format_comparison(result, 5.0)
+    assert "use -r 3 or more" in comparison_verdict(result, 5.0)
 
 
 def test_median_ignores_one_disturbed_repetition():
@@ -92,9 +93,8 @@ def test_missing_and_new_rows_are_reported_not_failed():
     result = compare(now, base, 5.0)
     assert [r.status for r in result] == ["ok", "new", "missing"] and not has_regression(result)
     assert "tg32" in result[1].name and "tg64" in result[2].name
-    text = format_comparison(result, 5.0)
-    assert text.endswith("ok: no row slower than 5% with the sample ranges apart\n")
-    lines = text.splitlines()[2:5]
+    assert comparison_verdict(result, 5.0) == "ok: no row slower than 5% with the sample ranges apart"
+    lines = format_comparison(result).splitlines()[2:5]
     assert len({len(line) - len(r.status) for line, r in zip(lines, result)}) == 1  # '-' cells keep the alignment
 
 

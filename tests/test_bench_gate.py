@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import shlex
 import subprocess
 import sys
 from dataclasses import replace
@@ -17,15 +19,18 @@ from pathlib import Path
 
 import pytest
 import typer.main
+import yaml
 
 from spec_cli.bench.counters import AUTO_NOTE, compare_counters, gated, lossless
-from spec_cli.bench.paired import ALPHA, child_args, judge, pool, sign_rank
+from spec_cli.bench.paired import ALPHA, MIN_PAIRS, child_args, judge, pool, sign_rank
 from spec_cli.bench.params import BenchParams, from_flags
 from spec_cli.bench.runner import run_bench
 from spec_cli.cli import app
 
 SCRIPT = Path(sys.executable).with_name("spec-cli")
 ALTERED = Path(__file__).with_name("altered_build.py")
+ROOT = Path(__file__).parents[1]
+BENCH_COMMAND = typer.main.get_command(app).commands["bench"]
 
 
 # --- the sign test ----------------------------------------------------------------------------------------
@@ -77,6 +82,9 @@ def test_judge_fails_only_rows_surely_slower_than_the_threshold():
     assert verdicts[0].high == pytest.approx(0.8) and verdicts[0].median == pytest.approx(0.8)
     assert verdicts[1].low == pytest.approx(0.85) and verdicts[1].high == pytest.approx(1.1)
     assert len(verdicts[0].ratios) == 10
+    current, baseline = runs(slower, noisy)
+    verdicts = judge(current, [rows[:1] for rows in baseline], max_regression=5)  # a test the baseline lacks
+    assert [v.status for v in verdicts] == ["regression", "new"] and verdicts[1].ratios == []
 
 
 # --- pooled runs and the flags each build gets ----------------------------------------------------------------
@@ -100,7 +108,7 @@ def test_single_repetition_runs_pool_into_the_row_of_a_longer_run(tiny_model_pat
 
 
 def test_each_build_gets_the_test_flags_as_given():
-    command = typer.main.get_command(app).commands["bench"]
+    command = BENCH_COMMAND
     given = ["-m", "a.gguf,b.gguf", "-ngl", "-1", "-p", "0", "-n", "8,16", "--spec-type", "ngram-simple;draft-simple",
              "--spec-type", "ngram-mod,draft-simple", "-md", "d.gguf", "--draft-max", "1-4*2,auto", "--temp", "0,0.5",
              "--warm", "--verify-cost", "4", "-r", "7", "-o", "jsonl", "--plot", "x.png", "--baseline-cmd", "old-cli",
@@ -269,3 +277,16 @@ def test_bad_baseline_cmd_input(tiny_model_path, tmp_path):
     assert failing.stderr.splitlines()[-1] == "error: the baseline build's bench failed (exit 1): no message"
     for done in (few, missing, failing):
         assert "Traceback" not in done.stderr
+
+
+def test_ci_recipe_runs_the_gate_script_with_gated_flags_and_uploads_its_output():
+    steps = yaml.safe_load((ROOT / "ci" / "bench-gate.yml").read_text())["jobs"]["bench-gate"]["steps"]
+    [gate] = [shlex.split(s["run"]) for s in steps if s.get("run", "").startswith("scripts/ab_gate.sh ")]
+    [upload] = [s for s in steps if s.get("uses", "").startswith("actions/upload-artifact")]
+    assert upload["with"]["path"].rstrip("/") == gate[3] and upload["if"] == "always()"
+    script = ROOT / "scripts" / "ab_gate.sh"
+    assert os.access(script, os.X_OK) and os.access(ROOT / "scripts" / "gate_trials.sh", os.X_OK)
+    flags = shlex.split(re.search(r"DEFAULT_FLAGS=\((.*?)\)", script.read_text(), re.S).group(1))
+    params = from_flags(dict(BENCH_COMMAND.make_context("bench", flags).params))
+    assert params.repetitions >= MIN_PAIRS and params.spec_type and params.temp == [0.0]
+    assert all(isinstance(d, int) for d in params.draft_max)  # fixed lengths: the acceptance counters are gated

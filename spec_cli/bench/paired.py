@@ -118,8 +118,8 @@ def _run_child(command: list[str], args: list[str], which: str) -> list[dict]:
         done = subprocess.run(command + ["bench", *args, "-r", "1", "-o", "jsonl"], capture_output=True, text=True)
     except OSError as e:
         raise SpecCliError(f"cannot run the {which} build ({shlex.join(command)}): {e}") from None
-    last = (done.stderr.strip().splitlines() or ["no message"])[-1]
     if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
         raise SpecCliError(f"the {which} build's bench failed (exit {done.returncode}): {last}")
     try:
         return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
@@ -128,10 +128,11 @@ def _run_child(command: list[str], args: list[str], which: str) -> list[dict]:
 
 
 def _pair_ts(current: list[dict], baseline: list[dict]) -> dict[tuple, tuple[float, float]]:
-    """(t/s current, t/s baseline) of each row the two runs of a pair share, by row key."""
+    """(t/s current, t/s baseline) of each row the two runs of a pair share, by row key (a baseline row that timed
+    nothing, t/s 0, has no ratio)."""
     base = {row_key(r): statistics.median(r["samples_ts"]) for r in baseline}
     return {row_key(r): (statistics.median(r["samples_ts"]), base[row_key(r)]) for r in current
-            if row_key(r) in base}
+            if base.get(row_key(r))}
 
 
 def sign_rank(n: int) -> int:
@@ -150,9 +151,9 @@ def judge(current: list[list[dict]], baseline: list[list[dict]], max_regression:
     out = []
     for r in current[0]:
         key = row_key(r)
-        ratios = [p[key][0] / p[key][1] for p in pairs if key in p and p[key][1]]
+        ratios = [p[key][0] / p[key][1] for p in pairs if key in p]
         k = sign_rank(len(ratios))
-        if len(ratios) < len(pairs) or k == 0:
+        if k == 0:  # the baseline build has no such row (or too few that timed anything)
             out.append(PairedRow(key, row_name(r), "new", ratios))
             continue
         ordered = sorted(ratios)
