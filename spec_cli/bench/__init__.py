@@ -1,12 +1,13 @@
-"""`spec-cli bench`: llama-bench's grid plus speculative sweeps, the verify-cost curve and a baseline gate.
+"""`spec-cli bench`: llama-bench's grid plus speculative sweeps, the verify-cost curve and a regression gate.
 
 This module holds the one result record every part shares (runner writes it, printers / compare / plot read it as
 plain dicts, so a json file from an earlier run reads back the same). Field order follows llama-bench's `test`
 fields: build and hardware, where it ran, model, engine parameters, test shape, then the speculative and
 verify-cost fields for those kinds, then results.
 
-Layout: params (lists, ranges, instances), runner (timing), verify_cost (the k-row forward curve), prompts
-(built-in prompt sets), printers (md/csv/json/jsonl/sql), compare (baseline gate), plot (matplotlib).
+Layout: params (lists, ranges, instances), runner (timing), verify_cost (the k-row forward curve), printers
+(md/csv/json/jsonl/sql), paired (the A/B gate against another build), compare (against a stored run), counters
+(the exact counters both gates compare), plot (matplotlib).
 """
 
 from __future__ import annotations
