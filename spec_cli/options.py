@@ -511,8 +511,12 @@ BENCH = [
             "terminal (a terminal always gets a progress bar)"),
         Opt("delay", int, 0, ("--delay",), "seconds to wait before each test", ge=0),
         Opt("baseline", Optional[str], None, ("--baseline",), "json/jsonl of an earlier run to compare with"),
-        Opt("max_regression", float, 5.0, ("--max-regression",), "with --baseline: exit 1 when a row is this much "
-            "slower beyond the noise", metavar="PCT", ge=0.0),
+        Opt("baseline_cmd", Optional[str], None, ("--baseline-cmd",), "another build's spec-cli (a path or a "
+            "quoted command line): run the tests with both builds in turn, -r pairs of runs, and exit 1 when a row "
+            "is surely slower than --max-regression (a sign test on the pairs' median t/s ratio) or an exact "
+            "counter of a greedy speculative row changed", metavar="CMD"),
+        Opt("max_regression", float, 5.0, ("--max-regression",), "with --baseline-cmd / --baseline: exit 1 when a "
+            "row is this much slower beyond the noise", metavar="PCT", ge=0.0),
         Opt("plot", Optional[str], None, ("--plot",), "draw the sweep / verify curve to this PNG"),
     ]),
 ]

@@ -256,7 +256,7 @@ def test_cli_stdout_carries_only_the_format(tiny_model_path):
 
 
 def test_cli_baseline_gate(tiny_model_path, tmp_path):
-    args = ["bench", "-m", str(tiny_model_path), "-p", "0", "-n", "2", "-r", "1", "-dev", "cpu", "-o", "jsonl",
+    args = ["bench", "-m", str(tiny_model_path), "-p", "0", "-n", "2", "-r", "3", "-dev", "cpu", "-o", "jsonl",
             "--no-warmup"]
     first = runner.invoke(app, args)
     assert first.exit_code == 0, first.output

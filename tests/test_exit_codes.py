@@ -55,7 +55,8 @@ def cases(model: str, tmp: Path) -> dict[str, tuple[list[str], int, str]]:
         "lookup-stats-runtime": (["lookup-stats", "-m", missing, "-f", str(corpus)], 1, "model file not found"),
         "lookup-stats-usage": (["lookup-stats", "-m", model, "-f", str(corpus), "-c", "0"], 2, "-c must be >= 1"),
         "bench-ok": (bench, 0, ""),
-        "bench-runtime": ([*bench, "--baseline", str(fast), "--max-regression", "10"], 1, "FAIL: 1 row(s) slower"),
+        "bench-runtime": ([*bench, "-r", "3", "--baseline", str(fast), "--max-regression", "10"], 1,
+                          "FAIL: 1 row(s) slower"),
         "bench-usage": (["bench", "-m", model, "-o", "xml"], 2, "-o must be md, csv"),
         "server-ok": (["server", "--help"], 0, ""),
         "server-runtime": (["server", "-m", missing], 1, "model file not found"),
@@ -76,7 +77,7 @@ def write_inputs(model: str, tmp: Path) -> None:
     (tmp / "b.bin").write_bytes(b"")
     # a baseline 100x faster than anything this machine does: the gate must fail
     rows = [r.to_dict() for r in run_bench(BenchParams(model=[model], n_prompt=[0], n_gen=[2], n_threads=[1],
-                                                       devices=["cpu"], repetitions=1, warmup=False))]
+                                                       devices=["cpu"], repetitions=3, warmup=False))]
     (tmp / "fast.jsonl").write_text("".join(
         json.dumps({**r, "samples_ts": [100 * t for t in r["samples_ts"]]}) + "\n" for r in rows))
 

@@ -1,16 +1,18 @@
-"""`spec-cli bench`: llama-bench's grid plus speculative sweeps, the verify-cost curve and a baseline gate.
+"""`spec-cli bench`: llama-bench's grid plus speculative sweeps, the verify-cost curve and a regression gate.
 
 This module holds the one result record every part shares (runner writes it, printers / compare / plot read it as
 plain dicts, so a json file from an earlier run reads back the same). Field order follows llama-bench's `test`
 fields: build and hardware, where it ran, model, engine parameters, test shape, then the speculative and
 verify-cost fields for those kinds, then results.
 
-Layout: params (lists, ranges, instances), runner (timing), verify_cost (the k-row forward curve), prompts
-(built-in prompt sets), printers (md/csv/json/jsonl/sql), compare (baseline gate), plot (matplotlib).
+Layout: params (lists, ranges, instances), runner (timing), verify_cost (the k-row forward curve), printers
+(md/csv/json/jsonl/sql), paired (the A/B gate against another build), compare (against a stored run), counters
+(the exact counters both gates compare), plot (matplotlib).
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import asdict, dataclass, field
 
@@ -31,8 +33,9 @@ SWEPT_CASE_FIELDS = ("spec_type",) + DRAFT_MODEL_FIELDS + ("draft_max", "draft_m
                                                            "spec_select", "spec_mtp_rollback")
 CASE_FIELDS = ("temp",) + SWEPT_CASE_FIELDS + NGRAM_FIELDS + ("warm",)
 SPEC_FIELDS = ("prompt_set", "n_prompts") + CASE_FIELDS + (
-    "n_drafted", "n_accepted", "n_steps", "acceptance", "mean_acc_len", "tokens_per_step", "acc_per_pos", "prompt_ns",
-    "draft_ms", "verify_ms", "speedup")
+    "n_drafted", "n_accepted", "n_steps", "n_tokens", "n_drafts", "acceptance", "mean_acc_len", "tokens_per_step",
+    "forwards_per_token", "rows_per_token", "acc_per_pos", "text_hash", "prompt_ns", "draft_ms", "verify_ms",
+    "speedup")
 VERIFY_FIELDS = ("verify_k", "cost_ratio", "break_even_len", "break_even_acc")
 RESULT_FIELDS = ("test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts", "compile_s")
 
@@ -42,9 +45,11 @@ KEY_FIELDS = (("model_filename", "backends", "dtype") + PARAM_FIELDS[:-1] + SHAP
 
 INT_FIELDS = {"model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads", "n_gpu_layers", "flash_attn",
               "n_prompt", "n_gen", "n_depth", "n_prompts", "n_gpu_layers_draft", "draft_vocab", "draft_max", "draft_min",
-              "n_drafted", "n_accepted", "n_steps", "prompt_ns", "verify_k", "avg_ns", "stddev_ns", *NGRAM_FIELDS}
-FLOAT_FIELDS = {"temp", "draft_p_min", "acceptance", "mean_acc_len", "tokens_per_step", "draft_ms", "verify_ms",
-                "speedup", "cost_ratio", "break_even_len", "break_even_acc", "avg_ts", "stddev_ts", "compile_s"}
+              "n_drafted", "n_accepted", "n_steps", "n_tokens", "n_drafts", "prompt_ns", "verify_k", "avg_ns",
+              "stddev_ns", *NGRAM_FIELDS}
+FLOAT_FIELDS = {"temp", "draft_p_min", "acceptance", "mean_acc_len", "tokens_per_step", "forwards_per_token",
+                "rows_per_token", "draft_ms", "verify_ms", "speedup", "cost_ratio", "break_even_len", "break_even_acc",
+                "avg_ts", "stddev_ts", "compile_s"}
 BOOL_FIELDS = {"warm"}
 LIST_FIELDS = {"acc_per_pos"}
 
@@ -90,19 +95,19 @@ class Result:
 
     @property
     def avg_ns(self) -> int:
-        return int(statistics.fmean(self.samples_ns)) if self.samples_ns else 0
+        return sample_stats(self.samples_ns, self.samples_ts)["avg_ns"]
 
     @property
     def stddev_ns(self) -> int:
-        return int(statistics.stdev(self.samples_ns)) if len(self.samples_ns) > 1 else 0
+        return sample_stats(self.samples_ns, self.samples_ts)["stddev_ns"]
 
     @property
     def avg_ts(self) -> float:
-        return statistics.fmean(self.samples_ts) if self.samples_ts else 0.0
+        return sample_stats(self.samples_ns, self.samples_ts)["avg_ts"]
 
     @property
     def stddev_ts(self) -> float:
-        return statistics.stdev(self.samples_ts) if len(self.samples_ts) > 1 else 0.0
+        return sample_stats(self.samples_ns, self.samples_ts)["stddev_ts"]
 
     def to_dict(self) -> dict:
         """Fields in print order; the kind's extra fields only on rows of that kind."""
@@ -117,6 +122,37 @@ class Result:
                    stddev_ts=self.stddev_ts, compile_s=round(d["compile_s"], 2), samples_ns=samples_ns,
                    samples_ts=samples_ts)
         return out
+
+
+def sample_stats(samples_ns: list[int], samples_ts: list[float]) -> dict:
+    """A row's avg_ns, stddev_ns, avg_ts, stddev_ts from its samples."""
+    return {"avg_ns": int(statistics.fmean(samples_ns)) if samples_ns else 0,
+            "stddev_ns": int(statistics.stdev(samples_ns)) if len(samples_ns) > 1 else 0,
+            "avg_ts": statistics.fmean(samples_ts) if samples_ts else 0.0,
+            "stddev_ts": statistics.stdev(samples_ts) if len(samples_ts) > 1 else 0.0}
+
+
+def spec_rates(n_drafted: int, n_accepted: int, n_steps: int, n_tokens: int, n_drafts: int,
+               n_acc_per_pos: list[int]) -> dict:
+    """A speculative row's rates from its pooled counts (llama.cpp's definitions, speculative/stats.py): every
+    draft is verified in one step, so the drafts are the verify steps that mean_acc_len divides by."""
+    return {"acceptance": 100.0 * (n_accepted / n_drafted) if n_drafted else 0.0,
+            "mean_acc_len": 1.0 + n_accepted / n_drafts if n_drafts else 0.0,
+            "tokens_per_step": n_tokens / n_steps if n_steps else 0.0,
+            # one target forward per step, of 1 + draft length rows
+            "forwards_per_token": n_steps / n_tokens if n_tokens else 0.0,
+            "rows_per_token": (n_steps + n_drafted) / n_tokens if n_tokens else 0.0,
+            "acc_per_pos": [n / n_drafts for n in n_acc_per_pos] if n_drafts else []}
+
+
+# what a speculative row and the plain row it is measured against share: engine parameters and workload
+PLAIN_PAIR_FIELDS = ("model_filename", "device", "dtype", "n_batch", "n_ubatch", "n_threads", "n_gpu_layers",
+                     "flash_attn", "n_gen", "prompt_set", "temp", "warm")
+
+
+def plain_key(row: dict) -> tuple:
+    """Equal for a spec row and the plain (spec_type none) row of the same model, settings and prompts."""
+    return tuple(json.dumps(row.get(f)) for f in PLAIN_PAIR_FIELDS)
 
 
 def columns(rows: list[dict]) -> list[str]:

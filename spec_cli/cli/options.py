@@ -25,16 +25,19 @@ from spec_cli.options import Opt, read_flags, shown
 
 def with_options(*groups):
     """Append the groups' options to the decorated command; it receives their values, parsed and checked, as
-    `opts: dict`. `wrapper.options`: the options by parameter name."""
+    `opts: dict` (and, where it has a `given` parameter, the same values as typer read them, before parsing: what
+    a command passes on to another build). `wrapper.options`: the options by parameter name."""
 
     def decorate(fn):
         sig = inspect.signature(fn)
-        own = [p for p in sig.parameters.values() if p.name != "opts"]
+        own = [p for p in sig.parameters.values() if p.name not in ("opts", "given")]
         options = {o.name: o for _, opts in groups for o in opts}
 
         @functools.wraps(fn)
         def wrapper(**kwargs):
             mine = {k: kwargs.pop(k) for k in list(kwargs) if k in sig.parameters}
+            if "given" in sig.parameters:
+                mine["given"] = dict(kwargs)
             opts = read_flags(options, kwargs)  # a bad value stops the command here, before the engine loads
             load_engine()
             return fn(**mine, opts=opts)
