@@ -6,7 +6,7 @@ over minutes. Speed is generation only: tokens after the first one over the time
 processing excluded on both sides). A round's speed pools its prompts; tok/s is the median over rounds, and every
 ratio the median of the rounds' own ratios (paired: a slow round slows every configuration in it). Configurations:
 
-  spec-cli    plain (and plain through --compile on with --compiled), and speculative configurations given as
+  spec-cli    plain, and speculative configurations given as
               TYPES:DRAFT_MAX (default: ngram-mod:16, draft-simple:16, ngram-mod,draft-simple:16 and the same with
               draft-max auto)
   llama.cpp   plain, and prompt-lookup decoding (llama-cpp-python's LlamaPromptLookupDecoding), when installed;
@@ -166,8 +166,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--spec", action="append", help=f"TYPES:DRAFT_MAX, repeatable (default: {' '.join(DEFAULT_SPECS)})")
     ap.add_argument("--no-llama-cpp", action="store_true", help="spec-cli configurations only")
-    ap.add_argument("--compiled", action="store_true",
-                    help="also spec-cli plain through --compile on (a second engine of the model), beside eager")
     ap.add_argument("--json", action="store_true", help="also print the table as JSON")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -184,9 +182,6 @@ def main() -> None:
     prompts = [render_tokens(p, engine.tokenizer) for p in prompt_set.prompts[: args.n_prompts or None]]
 
     configs = [Config("spec-cli", "plain", spec_cli_runner(session, [], 0, args.n_gen))]
-    if args.compiled:  # compiling happens in the untimed warmup run
-        compiled = open_session(EngineOptions(model=model_path, n_ctx=4096, threads=args.threads, compile="on"))
-        configs.append(Config("spec-cli", "plain --compile on", spec_cli_runner(compiled, [], 0, args.n_gen)))
     configs += [Config("spec-cli", f"{','.join(t)} draft-max {dm}", spec_cli_runner(session, t, dm, args.n_gen))
                 for t, dm in specs]
     has_llama_cpp = importlib.util.find_spec("llama_cpp") is not None
