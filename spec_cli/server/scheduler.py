@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from spec_cli.errors import SpecCliError
+from spec_cli.model.compiled import clock, run_seconds
 from spec_cli.runtime.generate import Emitted, Sequence
 from spec_cli.runtime.session import Session
 from spec_cli.server.task import Completion, Delta, Failure, Job, Task
@@ -188,7 +189,7 @@ class Scheduler:
         n_cached = common_prefix(slot.cached, job.prompt) if job.cache_prompt else 0
         task.n_cached = min(n_cached, len(job.prompt) - 1)
         slot.cached = []  # the KV cache of this sequence is about to change
-        t0 = time.perf_counter()
+        t0 = clock()
         # n_predict 0 = evaluate the prompt only: sample one token and drop it
         n_predict = 1 if job.n_predict == 0 else job.n_predict
         try:
@@ -197,8 +198,8 @@ class Scheduler:
             self._release(slot)
             task.post(Failure(str(e), 400, "invalid_request_error"))
             return
-        task.t_start = time.perf_counter()
-        task.t_prompt_ms = (task.t_start - t0) * 1e3
+        task.t_start = clock()
+        task.t_prompt_ms = run_seconds(t0, task.t_start) * 1e3  # compiling a new step shape is not prompt time
         c = self.counters
         c.prompt_tokens += len(job.prompt) - task.n_cached
         c.prompt_tokens_cached += task.n_cached
@@ -261,7 +262,7 @@ class Scheduler:
         """Adds a task's generation to the /metrics counters, whether it finished, was cancelled or failed; returns
         (tokens generated, generation ms)."""
         n_predicted = 0 if task.job.n_predict == 0 else seq.n_generated  # n_predict 0: the one token is dropped
-        t_gen_ms = (time.perf_counter() - task.t_start) * 1e3 if task.t_start else 0.0  # 0: failed in its prefill
+        t_gen_ms = run_seconds(task.t_start, clock()) * 1e3 if task.t_start else 0.0  # 0: failed in its prefill
         c = self.counters
         c.predicted_tokens += n_predicted
         c.predicted_ms += t_gen_ms

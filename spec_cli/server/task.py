@@ -150,7 +150,7 @@ class Task:
         self.out = StopText(tokenizer, job.stop)
         self.tokens: list[int] = []  # tokens handed to the client
         self.n_cached = 0
-        self.t_start = 0.0
+        self.t_start: tuple[float, float] | None = None  # compiled.clock() when its generation began
         self.t_prompt_ms = 0.0
 
     def post(self, event) -> None:
