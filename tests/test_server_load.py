@@ -22,6 +22,7 @@ CLIENTS, REQUESTS = 16, 2
 CONFIGS = {
     "plain": dict(),
     "ngram-simple": dict(spec_types="ngram-simple"),
+    "suffix": dict(spec_types="suffix"),  # one drafter, its earlier outputs shared by the 4 slots
     "draft-simple": dict(spec_types="draft-simple", draft=True),
 }
 

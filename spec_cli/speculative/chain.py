@@ -179,6 +179,11 @@ class Chain:
             self.acceptance.observe(winner.name, n_drafted, n_accepted)
         self.last[seq] = None
 
+    def end(self, seq: int, output: list[int]) -> None:
+        """The request on seq is over; `output` = the tokens it generated."""
+        for d in self.drafters:
+            d.end(seq, output)
+
 
 @contextmanager
 def _capped(params: list[DraftParams], cap: int | None):

@@ -21,6 +21,7 @@ from spec_cli.speculative.ngram_cache import NgramCacheDrafter
 from spec_cli.speculative.ngram_map import NgramMapK4vDrafter, NgramMapKDrafter
 from spec_cli.speculative.ngram_mod import NgramModDrafter
 from spec_cli.speculative.ngram_simple import NgramSimpleDrafter
+from spec_cli.speculative.suffix import SuffixDrafter
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,8 @@ DrafterFactory = Callable[[DrafterInputs], Drafter]
 
 _FACTORIES: dict[str, DrafterFactory] = {  # the built-in types of options.py, by canonical name
     **{cls.name: (lambda inputs, cls=cls: cls(inputs.params, inputs.n_seq))
-       for cls in (NgramSimpleDrafter, NgramMapKDrafter, NgramMapK4vDrafter, NgramModDrafter, NgramCacheDrafter)},
+       for cls in (NgramSimpleDrafter, NgramMapKDrafter, NgramMapK4vDrafter, NgramModDrafter, NgramCacheDrafter,
+                   SuffixDrafter)},
     "draft-simple": lambda inputs: DraftModelDrafter(inputs.draft, inputs.params, inputs.n_seq),
     "draft-mtp": lambda inputs: MTPDrafter(inputs.mtp, inputs.target, inputs.params, inputs.n_seq),
 }
