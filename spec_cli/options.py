@@ -259,6 +259,23 @@ def prompt_set(value: str) -> str:
     return value
 
 
+def spec_accept(value: str) -> str:
+    """bench --spec-accept: a conditional acceptance rate in [0, 1], or one per draft position joined by '/' (the
+    last one for the positions after it); kept as text, canonical ('0.90/0.8' -> '0.9/0.8'), for the rows."""
+    return "/".join(shown(r) for r in accept_rates(value))
+
+
+def accept_rates(text: str) -> list[float]:
+    """The rates of a --spec-accept value."""
+    try:
+        rates = [float(part) for part in str(text).split("/")]
+    except ValueError:
+        raise Invalid("a rate in [0, 1] or rates per draft position joined by / (0.9/0.8/0.6)") from None
+    if not all(0.0 <= r <= 1.0 for r in rates):
+        raise Invalid("rates in [0, 1]")
+    return rates
+
+
 def nonempty(value: str) -> str:
     if not value:
         raise Invalid("non-empty")
@@ -466,6 +483,7 @@ def _swept(shared: str, **changes) -> Opt:
 
 
 DRAFTER_SETTINGS = ("ngram_", "suffix_")  # the prefixes of the model-free drafters' own settings (bench sweeps them)
+BENCH_SEED = 42  # bench -s: every run and every configuration sees the same inputs
 FLASH_ATTN = {"auto": -1, "-1": -1, "off": 0, "0": 0, "false": 0, "on": 1, "1": 1, "true": 1}  # llama-bench's -fa
 OUTPUT_FORMATS = ("md", "csv", "json", "jsonl", "sql", "none")  # bench -o / -oe (bench/printers.py)
 
@@ -512,6 +530,10 @@ BENCH = [
             split=None),
         Opt("prompt_set", str, "code-edit", ("--prompt-set",), f"built-in sets: {', '.join(PROMPT_SETS)}",
             parse=prompt_set, sweep=True),
+        Opt("spec_accept", str, None, ("--spec-accept",), "synthetic acceptance: tests of a synthetic drafter whose "
+            "drafts, of the planned lengths, the target accepts with these conditional rates per position (0.8, or "
+            "0.9/0.8/0.6: the last rate for the positions after it), built from the target's own greedy continuation "
+            "(spec_type synthetic; needs --temp 0)", metavar="P", parse=spec_accept, sweep=True),
         Opt("warm", bool, False, ("--warm",), "keep n-gram state across repetitions (default: cold)"),
         Opt("verify_cost", int, 0, ("--verify-cost",), "time target forwards of 1..K rows at each depth and print "
             "the break-even acceptance", metavar="K", ge=0),
@@ -521,6 +543,8 @@ BENCH = [
     ]),
     ("Run and output", [
         Opt("repetitions", int, 5, ("-r", "--repetitions"), "repetitions per test", ge=1),
+        Opt("seed", int, BENCH_SEED, ("-s", "--seed"), "seed of the random tokens, of sampling and of --spec-accept's "
+            "draws", ge=0, lt=2**63),
         Opt("output", str, "md", ("-o", "--output"), "md | csv | json | jsonl | sql (stdout)",
             parse=choice(*OUTPUT_FORMATS)),
         Opt("output_err", Optional[str], None, ("-oe", "--output-err"), "second format on stderr",

@@ -85,20 +85,30 @@ def write_tiny_gguf(
     vocab_changes: dict | None = None,
     dims: dict | None = None,
     qtype_overrides: dict[str, GGMLQuantizationType] | None = None,
+    token_order: list[int] | None = None,
 ) -> Path:
     """`perturb` > 0 adds that much relative noise (from another seed) to every weight: a draft model that
     agrees with the unperturbed target most of the time, not always (not for K block types: random blocks).
+    `token_order` (a permutation of the vocabulary) gives token id j to the token that had id token_order[j], its
+    embedding and output rows with it: the same model over a reordered vocabulary (another vocabulary, to a check
+    that compares ids).
     `dims` overrides entries of DIMS; `qtype_overrides` maps a tensor name suffix ("attn_v.weight",
     "output.weight", ...) to the block type of those matrices (as a Q4_K_M file mixes Q4_K and Q6_K)."""
     rng = np.random.default_rng(seed)
     noise = np.random.default_rng(seed + 1000)
     vocab = tiny_bpe_metadata()
     for key, value in (vocab_changes or {}).items():
-        if key == "rename_token":  # a different token text at this id: an incompatible vocabulary
+        if key in ("rename_token", "rename_tokens"):  # other token texts at these ids: another vocabulary
             vocab["tokenizer.ggml.tokens"] = list(vocab["tokenizer.ggml.tokens"])
-            vocab["tokenizer.ggml.tokens"][value] += "x"
+            for i in [value] if key == "rename_token" else value:
+                vocab["tokenizer.ggml.tokens"][i] += "x"
         else:
             vocab[key] = value
+    if token_order is not None:
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
+            vocab[key] = [vocab[key][i] for i in token_order]
+        for key in ("bos", "eos", "padding"):
+            vocab[f"tokenizer.ggml.{key}_token_id"] = token_order.index(vocab[f"tokenizer.ggml.{key}_token_id"])
     n_vocab = len(vocab["tokenizer.ggml.tokens"])
     dims = {**DIMS, **(dims or {})}
     d, ff, nh, nkv, hd = (dims[k] for k in ("n_embd", "n_ff", "n_head", "n_head_kv", "head_dim"))
@@ -125,6 +135,8 @@ def write_tiny_gguf(
         arr = rng.standard_normal(shape) * scale + offset
         if perturb:
             arr = arr + noise.standard_normal(shape) * scale * perturb
+        if token_order is not None and name in ("token_embd.weight", "output.weight"):
+            arr = arr[token_order]
         arr = arr.astype(np.float32)
         qt = next((t for suffix, t in (qtype_overrides or {}).items()
                    if name == suffix or name.endswith("." + suffix)), qtype)

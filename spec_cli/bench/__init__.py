@@ -31,7 +31,7 @@ _REAL_NGRAM_FIELDS = {f for f in NGRAM_FIELDS if SpecParams.__dataclass_fields__
 # a speculative test's parameters that bench sweeps for each prompt set and temperature (params.py), outermost first;
 # the draft model's are read by draft-simple only
 DRAFT_MODEL_FIELDS = ("model_draft", "n_gpu_layers_draft", "devices_draft", "draft_vocab")
-SWEPT_CASE_FIELDS = ("spec_type",) + DRAFT_MODEL_FIELDS + ("draft_max", "draft_min", "draft_p_min", "spec_verify",
+SWEPT_CASE_FIELDS = ("spec_type", "spec_accept") + DRAFT_MODEL_FIELDS + ("draft_max", "draft_min", "draft_p_min", "spec_verify",
                                                            "spec_select", "spec_mtp_rollback")
 CASE_FIELDS = ("temp",) + SWEPT_CASE_FIELDS + NGRAM_FIELDS + ("warm",)
 SPEC_FIELDS = ("prompt_set", "n_prompts") + CASE_FIELDS + (

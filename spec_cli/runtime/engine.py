@@ -18,8 +18,8 @@ from spec_cli.model.loader import LoadedModel, load_model
 from spec_cli.model.mtp_head import MTPContext, load_mtp_head
 from spec_cli.options import DEFAULT_GPU_LAYERS, default
 from spec_cli.speculative.base import SpecParams
-from spec_cli.speculative.draft_model import check_vocab_compatible
 from spec_cli.speculative.verify_costs import CostModel
+from spec_cli.speculative.vocab_bridge import VocabBridge, vocab_bridge
 from spec_cli.text.tokenizer import Tokenizer
 
 
@@ -53,6 +53,7 @@ class Engine:
     draft_ctx: Context | None = None
     mtp_ctx: MTPContext | None = None  # the target's NextN head with its own KV (draft-mtp)
     costs: CostModel = field(default_factory=CostModel)  # --draft-max auto: the target's verify cost, calibrated once
+    draft_bridge: VocabBridge | None = None  # a draft model with another vocabulary than the target's
 
     @property
     def eog_ids(self) -> set[int]:
@@ -95,12 +96,12 @@ def build_engine(opts: EngineOptions) -> Engine:
     opts = replace(opts, spec=implied_spec(opts))
     target = load_target(opts)
     tokenizer = Tokenizer.from_metadata(target.gguf.metadata)
-    draft = None
+    draft = bridge = None
     if "draft-simple" in opts.spec.types:
         draft = load_model(resolve(opts.model_draft), opts.device_draft or opts.device, opts.n_gpu_layers_draft,
                            opts.dtype)
-        check_vocab_compatible(tokenizer, Tokenizer.from_metadata(draft.gguf.metadata))
-    return assemble_engine(opts, target, tokenizer, draft)
+        bridge = vocab_bridge(tokenizer, Tokenizer.from_metadata(draft.gguf.metadata), draft.gguf.metadata)
+    return assemble_engine(opts, target, tokenizer, draft, bridge)
 
 
 def load_target(opts: EngineOptions) -> LoadedModel:
@@ -118,10 +119,11 @@ def load_target(opts: EngineOptions) -> LoadedModel:
                                        opts.threads)
 
 
-def assemble_engine(opts: EngineOptions, target: LoadedModel, tokenizer: Tokenizer,
-                    draft: LoadedModel | None) -> Engine:
-    """Contexts and, for draft-mtp, the MTP head around loaded models (`draft` when the types hold draft-simple).
-    Separate from loading because bench keeps its models loaded across tests."""
+def assemble_engine(opts: EngineOptions, target: LoadedModel, tokenizer: Tokenizer, draft: LoadedModel | None,
+                    draft_bridge: VocabBridge | None = None) -> Engine:
+    """Contexts and, for draft-mtp, the MTP head around loaded models (`draft` when the types hold draft-simple,
+    `draft_bridge` when its vocabulary is another). Separate from loading because bench keeps its models loaded
+    across tests."""
     n_ctx = opts.n_ctx if opts.n_ctx > 0 else target.config.n_ctx_train
     ctx = context_class(target)(target, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch, compile=opts.compile)
     # the draft context has the target's n_ctx (a smaller one crashed llama.cpp, #22554)
@@ -133,7 +135,7 @@ def assemble_engine(opts: EngineOptions, target: LoadedModel, tokenizer: Tokeniz
             raise SpecCliError("--spec-type draft-mtp needs a model with an MTP (NextN) head; this model has none "
                                "(spec-cli mtp-train can distill one)")
         mtp_ctx = MTPContext(head, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
-    return Engine(target, tokenizer, ctx, draft, draft_ctx, mtp_ctx, CostModel(verify_cost_cache()))
+    return Engine(target, tokenizer, ctx, draft, draft_ctx, mtp_ctx, CostModel(verify_cost_cache()), draft_bridge)
 
 
 def context_class(loaded: LoadedModel) -> type[Context]:

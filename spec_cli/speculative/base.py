@@ -78,6 +78,8 @@ class DraftParams:
     p_min: float | None = None
     sampling: Any = None  # the target's SamplingParams when verification is by rejection: model drafters then
     #                       sample from their own filtered distribution and return it in `probs` (else greedy)
+    crossed: tuple[int, int] | None = None  # a draft model with another vocabulary: (its draft tokens that had a
+    #                                         counterpart in the target's, those that did not and ended the draft)
 
     def min_length(self, params: SpecParams) -> int:
         """Shortest draft a model drafter may hand in (this request's n_min, else --draft-min): shorter is dropped."""

@@ -115,6 +115,10 @@ class Chain:
                     p.probs = None
         st = self.stats[d.name]
         st.n_call_draft += 1
+        for p in asking:
+            if p.crossed is not None:  # a draft model with another vocabulary (vocab_bridge.py)
+                st.n_mapped += p.crossed[0]
+                st.n_unmapped += p.crossed[1]
         n_drafts = sum(1 for p in asking if p.result)
         st.n_proposed += n_drafts
         if self.planner is not None:

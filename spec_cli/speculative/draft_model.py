@@ -27,10 +27,9 @@ from spec_cli.model.context import Context
 from spec_cli.model.sampling import draw, filter_and_softmax
 from spec_cli.speculative.base import Drafter, DraftParams, SpecParams, TargetCache
 from spec_cli.speculative.draft_vocab import DraftVocab
+from spec_cli.speculative.vocab_bridge import VocabBridge
 
 DRAFT_TOP_K = 10  # llama.cpp LLAMA_DRAFT_TOP_K
-VOCAB_MAX_SIZE_DIFFERENCE = 128  # llama.cpp SPEC_VOCAB_MAX_SIZE_DIFFERENCE
-VOCAB_CHECK_START_TOKEN_ID = 5  # llama.cpp SPEC_VOCAB_CHECK_START_TOKEN_ID
 # Target positions a sequence's draft cache may lag behind before `process` catches it up in a batch of its own: a
 # longer lag is a prompt (or a streak another drafter won), mirrored when the target decodes it, as llama.cpp's
 # draft mirrors prompt chunks, so a prompt's prefill is prompt time whatever its length (at 64, prompts of 17-64
@@ -46,37 +45,20 @@ IDLE_STEPS = 8
 RESTART_WINDOW = 32
 
 
-def check_vocab_compatible(target_tok, draft_tok) -> None:
-    """llama.cpp `common_speculative_are_compatible`: raise SpecCliError naming the first difference."""
-    problems = []
-    if target_tok.vocab_type != draft_tok.vocab_type:
-        problems.append(f"vocabulary types differ ({target_tok.vocab_type} vs {draft_tok.vocab_type})")
-    if target_tok.add_bos != draft_tok.add_bos or (target_tok.add_bos and target_tok.bos_id != draft_tok.bos_id):
-        problems.append("BOS settings differ")
-    if target_tok.add_eos != draft_tok.add_eos or (target_tok.add_eos and target_tok.eos_id != draft_tok.eos_id):
-        problems.append("EOS settings differ")
-    diff = abs(target_tok.n_vocab - draft_tok.n_vocab)
-    if diff > VOCAB_MAX_SIZE_DIFFERENCE:
-        problems.append(f"vocabulary sizes differ by {diff} ({target_tok.n_vocab} vs {draft_tok.n_vocab}, max 128)")
-    if not problems:
-        for i in range(VOCAB_CHECK_START_TOKEN_ID, min(target_tok.n_vocab, draft_tok.n_vocab)):
-            if target_tok.token_text(i) != draft_tok.token_text(i):
-                problems.append(f"token {i} differs ('{target_tok.token_text(i)}' vs '{draft_tok.token_text(i)}')")
-                break
-    if problems:
-        raise SpecCliError("draft model vocabulary is not compatible with the target: " + "; ".join(problems))
-
-
 class DraftModelDrafter(Drafter):
     name = "draft-simple"
     cheap = False
 
-    def __init__(self, ctx: Context, params: SpecParams, n_seq: int):
+    def __init__(self, ctx: Context, params: SpecParams, n_seq: int, bridge: VocabBridge | None = None):
         if ctx.n_seq != n_seq:
             raise SpecCliError(f"draft context has {ctx.n_seq} sequences, the target {n_seq}")
         ctx.clear()  # a fresh drafter: its draft cache starts empty, as `cached` says
         self.ctx = ctx
         self.params = params
+        # another vocabulary than the target's (vocab_bridge.py): the draft cache holds the draft's tokens for the
+        # target's, by draft position; None: the same ids, positions offset by `offset` only
+        self.bridge = bridge
+        self.translated: list[tuple[list[int], list[int], list[int]]] = [([], [], [0]) for _ in range(n_seq)]
         self.cached: list[list[int]] = [[] for _ in range(n_seq)]  # tokens in the draft KV, by draft position
         self.target_cache = TargetCache(n_seq)  # tokens in the target KV, as far as known
         self.offset = [0] * n_seq  # target position of draft position 0 (> 0 after a restart from a window)
@@ -146,19 +128,19 @@ class DraftModelDrafter(Drafter):
             step = Batch()
             for seq, p in list(active.items()):
                 row = rows[seq]
+                token = ids[row]
                 p_min = p.p_min if p.p_min is not None else self.params.draft_p_min
-                if p_top[row] < p_min:
+                if p_top[row] < p_min or not self._crosses(p, token):
                     del active[seq]
                     continue
                 if p.sampling is not None:
                     token, q = self._sample(seq, logits[row], p.sampling)
                     q_rows[seq].append(q)
-                    ids[row] = token
-                p.result.append(ids[row])
+                p.result.append(token if self.bridge is None else int(self.bridge.to_target[token]))
                 if len(p.result) >= min(p.n_max, self.params.draft_max):
                     del active[seq]
                     continue
-                step.add(ids[row], p.pos0 + len(p.result) - self.offset[seq], seq, True)
+                step.add(token, len(self.cached[seq]), seq, True)  # the draft position after the decoded rows
             if not len(step):
                 break
             logits = self._decode(step)
@@ -169,21 +151,35 @@ class DraftModelDrafter(Drafter):
             elif p.sampling is not None and p.result:
                 p.probs = torch.stack(q_rows[p.seq])  # [len(result), n_vocab_draft]
 
+    def _crosses(self, p: DraftParams, token: int) -> bool:
+        """Whether the draft's top token has a counterpart in the target's vocabulary (always, with one vocabulary);
+        counts the draft tokens that crossed and the one that did not (the chain's statistics read them)."""
+        if self.bridge is None:
+            return True
+        mapped = bool(self.bridge.to_target[token] >= 0)
+        crossed, missed = p.crossed or (0, 0)
+        p.crossed = (crossed + mapped, missed + (not mapped))
+        return mapped
+
     def _sample(self, seq: int, logits: torch.Tensor, sampling) -> tuple[int, torch.Tensor]:
-        """One draft token drawn from q = the draft's distribution under the target's sampler chain."""
+        """One draft token drawn from q = the draft's distribution under the target's sampler chain (with another
+        vocabulary: among the tokens that have a counterpart, q then over the target's vocabulary)."""
         if self.rng[seq] is None:
             seed = sampling.seed + 1 if sampling.seed >= 0 else int(torch.randint(0, 2**62, ()))
             self.rng[seq] = torch.Generator(device=logits.device).manual_seed(seed)
         if self.vocab is not None:  # the draft vocabulary's logits in place, -inf elsewhere: q is 0 outside it
             logits = torch.full((self.ctx.config.n_vocab,), float("-inf"), device=logits.device).index_copy_(
                 0, self.vocab.ids, logits.float())
+        if self.bridge is not None:
+            logits = logits.float().masked_fill(self.bridge.unmapped_mask(logits.device), float("-inf"))
         probs, ids = filter_and_softmax(logits.float(), sampling)
         q = torch.zeros_like(logits, dtype=torch.float32)
         if ids is None:
             q = probs
         else:
             q.scatter_(0, ids, probs)
-        return int(draw(q, self.rng[seq])), q
+        token = int(draw(q, self.rng[seq]))
+        return token, q if self.bridge is None else self.bridge.target_distribution(q)
 
     def min_length(self, p: DraftParams) -> int:
         return p.min_length(self.params)
@@ -199,23 +195,38 @@ class DraftModelDrafter(Drafter):
         del self.cached[seq][pos:]
 
     def _lag(self, seq: int, history: list[int]) -> int:
-        """Rows of `history` (target tokens by target position) past what the draft cache holds."""
-        off = self.offset[seq]
-        return len(history) - off - common_prefix(self._synced(seq), history[off:])
+        """Rows of `history` (target tokens by target position) past what the draft cache holds (draft rows)."""
+        wanted = self._draft_history(seq, history, len(history))
+        return len(wanted) - common_prefix(self._synced(seq), wanted)
+
+    def _draft_history(self, seq: int, history: list[int], end: int) -> list[int]:
+        """What seq's draft cache should hold for history[offset:end], by draft position: those tokens, or with
+        another vocabulary their translation (kept per sequence, so a grown history costs its new tokens only)."""
+        tokens = history[self.offset[seq] : end]
+        if self.bridge is None:
+            return tokens
+        src, dst, ends = self.translated[seq]
+        n = common_prefix(src, tokens)
+        del src[n:], dst[ends[n]:], ends[n + 1:]
+        for t in tokens[n:]:
+            src.append(t)
+            dst.extend(self.bridge.draft_tokens(t))
+            ends.append(len(dst))
+        return list(dst)
 
     def _add_catch_up(self, batch: Batch, seq: int, history: list[int], end: int, seed: bool) -> bool:
         """Add the rows that bring seq's draft cache to history[offset:end] (trimming what differs). With `seed` the
         last row is decoded even when cached, and flagged: its logits seed a draft. False, adding nothing, when a row
         is outside a smaller draft vocabulary (then the sequence gets no draft)."""
-        off = self.offset[seq]
-        start = off + common_prefix(self._synced(seq), history[off:end])
+        wanted = self._draft_history(seq, history, end)
+        start = common_prefix(self._synced(seq), wanted)
         if seed:
-            start = min(start, end - 1)
-        if start >= end or max(history[start:end]) >= self.ctx.config.n_vocab:
+            start = min(start, len(wanted) - 1)
+        if start < 0 or start >= len(wanted) or max(wanted[start:]) >= self.ctx.config.n_vocab:
             return False
-        self._trim(seq, start - off)
-        for pos in range(start, end):
-            batch.add(history[pos], pos - off, seq, seed and pos == end - 1)
+        self._trim(seq, start)
+        for pos in range(start, len(wanted)):
+            batch.add(wanted[pos], pos, seq, seed and pos == len(wanted) - 1)
         return True
 
     def _decode(self, batch: Batch) -> torch.Tensor:

@@ -22,6 +22,7 @@ from spec_cli.speculative.ngram_map import NgramMapK4vDrafter, NgramMapKDrafter
 from spec_cli.speculative.ngram_mod import NgramModDrafter
 from spec_cli.speculative.ngram_simple import NgramSimpleDrafter
 from spec_cli.speculative.suffix import SuffixDrafter
+from spec_cli.speculative.vocab_bridge import VocabBridge
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class DrafterInputs:
     n_seq: int
     target: Context  # draft-mtp reads the target's hidden states
     draft: Context | None = None  # the draft model's (-md), for draft-simple
+    draft_bridge: VocabBridge | None = None  # its vocabulary to the target's, when they differ
     mtp: MTPContext | None = None  # the target's NextN head with its own KV, for draft-mtp
 
 
@@ -41,7 +43,7 @@ _FACTORIES: dict[str, DrafterFactory] = {  # the built-in types of options.py, b
     **{cls.name: (lambda inputs, cls=cls: cls(inputs.params, inputs.n_seq))
        for cls in (NgramSimpleDrafter, NgramMapKDrafter, NgramMapK4vDrafter, NgramModDrafter, NgramCacheDrafter,
                    SuffixDrafter)},
-    "draft-simple": lambda inputs: DraftModelDrafter(inputs.draft, inputs.params, inputs.n_seq),
+    "draft-simple": lambda inputs: DraftModelDrafter(inputs.draft, inputs.params, inputs.n_seq, inputs.draft_bridge),
     "draft-mtp": lambda inputs: MTPDrafter(inputs.mtp, inputs.target, inputs.params, inputs.n_seq),
 }
 
