@@ -50,9 +50,9 @@ def summary(answers: dict[str, list[dict]], ref: str | None) -> list[dict]:
         n, ms = sum(r["predicted_n"] for r in runs), sum(r["predicted_ms"] for r in runs)
         drafted = sum(r.get("draft_n", 0) for r in runs)
         accepted = sum(r.get("draft_n_accepted", 0) for r in runs)
+        same = None if plain is None else [r["text"] for r in runs] == [r["text"] for r in plain]
         rows.append({"spec": spec, "tokens": n, "gen_ms": round(ms, 1), "tok_s": round(1000 * n / ms, 2),
-                     "acceptance": round(accepted / drafted, 3) if drafted else None,
-                     "same_as_plain": None if plain is None else [r["text"] for r in runs] == [r["text"] for r in plain]})
+                     "acceptance": round(accepted / drafted, 3) if drafted else None, "same_as_plain": same})
     by_spec = {r["spec"]: r for r in rows}
     for r in rows:
         r["vs_plain"] = round(r["tok_s"] / by_spec["none"]["tok_s"], 3) if "none" in by_spec else None

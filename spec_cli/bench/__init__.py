@@ -29,10 +29,11 @@ SHAPE_FIELDS = ("test", "n_prompt", "n_gen", "n_depth")
 NGRAM_FIELDS = tuple(f for f in SpecParams.__dataclass_fields__ if f.startswith(DRAFTER_SETTINGS))
 _REAL_NGRAM_FIELDS = {f for f in NGRAM_FIELDS if SpecParams.__dataclass_fields__[f].type == "float"}
 # a speculative test's parameters that bench sweeps for each prompt set and temperature (params.py), outermost first;
-# the draft model's are read by draft-simple only
+# the draft model's are read by draft-simple only, spec_accept (the synthetic acceptance rates) by the tests of spec_type
+# synthetic only, the --spec-accept tests (speculative/synthetic.py), which it marks
 DRAFT_MODEL_FIELDS = ("model_draft", "n_gpu_layers_draft", "devices_draft", "draft_vocab")
-SWEPT_CASE_FIELDS = ("spec_type", "spec_accept") + DRAFT_MODEL_FIELDS + ("draft_max", "draft_min", "draft_p_min", "spec_verify",
-                                                           "spec_select", "spec_mtp_rollback")
+SWEPT_CASE_FIELDS = ("spec_type", "spec_accept") + DRAFT_MODEL_FIELDS + (
+    "draft_max", "draft_min", "draft_p_min", "spec_verify", "spec_select", "spec_mtp_rollback")
 CASE_FIELDS = ("temp",) + SWEPT_CASE_FIELDS + NGRAM_FIELDS + ("warm",)
 SPEC_FIELDS = ("prompt_set", "n_prompts") + CASE_FIELDS + (
     "n_drafted", "n_accepted", "n_steps", "n_tokens", "n_drafts", "acceptance", "mean_acc_len", "tokens_per_step",

@@ -15,6 +15,9 @@ the draft vocabulary only (`--draft-vocab`, speculative/draft_vocab.py): the com
 cache was given.
 When verification is by rejection (`DraftParams.sampling` set), the draft instead samples each token from its own
 distribution under the target's sampler settings and returns those distributions (q) for exact rejection sampling.
+A draft model with another vocabulary than the target's (vocab_bridge.py) reads the target's tokens translated into
+its own (the draft cache then holds the translation, by draft position) and drafts until its top token has no
+counterpart in the target's vocabulary.
 """
 
 from __future__ import annotations
@@ -149,7 +152,7 @@ class DraftModelDrafter(Drafter):
             if len(p.result) < p.min_length(self.params):
                 p.result.clear()
             elif p.sampling is not None and p.result:
-                p.probs = torch.stack(q_rows[p.seq])  # [len(result), n_vocab_draft]
+                p.probs = torch.stack(q_rows[p.seq])  # [len(result), n_vocab] (the target's through a bridge)
 
     def _crosses(self, p: DraftParams, token: int) -> bool:
         """Whether the draft's top token has a counterpart in the target's vocabulary (always, with one vocabulary);

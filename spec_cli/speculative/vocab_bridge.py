@@ -156,7 +156,7 @@ class VocabBridge:
         """A draft distribution [n_vocab_draft], zero on the unmapped tokens, as one over the target's vocabulary."""
         if self._mapped is None or self._mapped[0].device != q.device:
             mapped = np.flatnonzero(self.to_target >= 0)
-            self._mapped = (torch.from_numpy(mapped).to(q.device), torch.from_numpy(self.to_target[mapped]).to(q.device))
+            self._mapped = tuple(torch.from_numpy(ids).to(q.device) for ids in (mapped, self.to_target[mapped]))
         draft_ids, target_ids = self._mapped
         return torch.zeros(self.target_tok.n_vocab, dtype=q.dtype, device=q.device).index_copy_(
             0, target_ids, q[draft_ids])
