@@ -204,7 +204,7 @@ def test_partial_acceptance_keeps_committed_state_only(mtp_path, rollback):
     assert drafter.target_cache.tokens[0] == prompt + [id_last, p.result[0]]
     assert drafter.n_done[0] == kept_rows and drafter.ctx.lengths[0] == kept_rows
     assert torch.equal(drafter.ctx.kv[0][0][0, :, pos0: kept_rows], drafted_k[:, : kept_rows - pos0])
-    torch.testing.assert_close(drafter.ctx.feed[0, keep - 1], out.hidden[1])  # pending = hidden of the last kept row
+    torch.testing.assert_close(drafter.ctx.feed[0, keep - 1], out.features[1, 0])  # pending = hidden of the last kept row
     session.engine.ctx.seq_rm(0, keep)
     sizes = head_rows_decoded(drafter)
     q = DraftParams(0, 3, keep, 5, prompt + [id_last, p.result[0]])
@@ -459,17 +459,19 @@ def test_spec_type_mtp_through_the_engine(mtp_path):
 
 
 def test_hidden_state_capture_lives_with_the_session_that_reads_it(mtp_path):
-    """draft-mtp's session keeps the target capturing hidden states; the next session without it, or closing it,
-    stops the capture (it used to outlive the chain). The engine itself cannot be rewired."""
+    """draft-mtp's session keeps the target capturing its final pre-norm state (target features on request: the
+    tap at layer id n_layer); the next session without it, or closing it, stops the capture (it used to outlive the
+    chain). The engine itself cannot be rewired."""
     session = make_session(mtp_path, "ngram-mod,draft-mtp")
     ctx = session.engine.ctx
-    assert ctx.capture_hidden
+    final = (ctx.config.n_layer_main,)
+    assert ctx.taps == final
     plain = session.renew(types=["ngram-mod"])
-    assert plain.types == ["ngram-mod"] and not ctx.capture_hidden
+    assert plain.types == ["ngram-mod"] and ctx.taps == ()
     again = plain.renew(types=["draft-mtp"])
-    assert again.types == ["draft-mtp"] and ctx.capture_hidden
+    assert again.types == ["draft-mtp"] and ctx.taps == final
     again.close()
-    assert not ctx.capture_hidden and ctx.last_hidden is None
+    assert ctx.taps == () and ctx.last_features is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         session.engine.ctx = None
 

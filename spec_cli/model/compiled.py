@@ -1,6 +1,6 @@
 """`--compile`: the decode/verify step's decoder blocks through `torch.compile` (CPU: inductor; CUDA: CUDA graphs).
 
-What is compiled: the loop over a Transformer's decoder blocks (`Transformer.forward_hidden` with `step=`) as one
+What is compiled: the loop over a Transformer's decoder blocks (`Transformer.forward_tapped` with `step=`) as one
 graph over the static KV cache, for decode and verify shapes only (at most ROW_BUCKETS[-1] sequences of at most
 ROW_BUCKETS[-1] rows; longer prompt chunks, and a sequence's first row alone, run eager). The layers' weights are
 graph inputs, so a graph serves every model of the same shapes (a target and a same-size draft share it).
@@ -88,19 +88,22 @@ def register_ops() -> None:
     # through the plain Library API, not torch.library.custom_op: custom_op's Python wrappers cost ~55 us per call
     # on the CPU (when the op was one block: smollm2-135m compiled 0.71x of eager with them)
     _LIB.define("blocks(Tensor stack, Tensor x, Tensor cos, Tensor sin, Tensor cos_swa, Tensor sin_swa, "
-                "Tensor row_seq, Tensor row_pos, Tensor row_write, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches) "
-                "-> Tensor")
+                "Tensor row_seq, Tensor row_pos, Tensor row_write, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
+                "Tensor tap_slots, int n_taps) -> (Tensor, Tensor)")
 
-    def blocks_op(stack, x, cos, sin, cos_swa, sin_swa, row_seq, row_pos, row_write, k_caches, v_caches):
+    def blocks_op(stack, x, cos, sin, cos_swa, sin_swa, row_seq, row_pos, row_write, k_caches, v_caches, tap_slots,
+                  n_taps):
         descs, swa = stack.tolist()
-        return kernels.blocks_at(descs, swa, x.clone(), [(cos, sin), (cos_swa, sin_swa)], row_seq, row_pos,
-                                 row_write, k_caches, v_caches)
+        out = torch.empty(x.shape[0], n_taps, x.shape[1])  # the target features (Transformer.forward_tapped)
+        x = kernels.blocks_at(descs, swa, x.clone(), [(cos, sin), (cos_swa, sin_swa)], row_seq, row_pos, row_write,
+                              k_caches, v_caches, (tap_slots, out) if n_taps else None)
+        return x, out
 
     _LIB.impl("blocks", blocks_op, "CPU")
 
     @torch.library.register_fake("spec_cli::blocks")
-    def _(stack, x, cos, sin, cos_swa, sin_swa, row_seq, row_pos, row_write, k_caches, v_caches):
-        return torch.empty_like(x)
+    def _(stack, x, cos, sin, cos_swa, sin_swa, row_seq, row_pos, row_write, k_caches, v_caches, tap_slots, n_taps):
+        return torch.empty_like(x), x.new_empty(x.shape[0], n_taps, x.shape[1])
 
     @torch.library.custom_op("spec_cli::rms_norm", mutates_args=(), device_types="cpu")
     def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -122,18 +125,24 @@ def register_ops() -> None:
 
 
 def _layers(model: Transformer, x, positions, write_rows, write_seq, write_pos, kv_seqs, mask_full, mask_swa,
-            ropes, kv, stack, tables, row_seq, row_pos, row_write):
-    """Every decoder block of one step (Transformer.forward_hidden's loop), as one graph: on the kernels (`stack`
-    given: the `spec_cli::blocks` op) or in torch ops (Block.forward_torch)."""
+            ropes, kv, stack, tables, row_seq, row_pos, row_write, taps, tap_slots):
+    """Every decoder block of one step (Transformer.forward_tapped's loop), as one graph: on the kernels (`stack`
+    given: the `spec_cli::blocks` op) or in torch ops (Block.forward_torch). -> (hidden [G, T, D], the features of
+    the layers `taps` [G, T, len(taps), D] or None without taps)."""
     G, T, D = x.shape
     if stack is not None:
         (cos, sin), (cos_swa, sin_swa) = tables
-        return torch.ops.spec_cli.blocks(stack, x.reshape(G * T, D), cos, sin, cos_swa, sin_swa, row_seq, row_pos,
-                                         row_write, [k for k, _ in kv], [v for _, v in kv]).view(G, T, D)
+        x, out = torch.ops.spec_cli.blocks(stack, x.reshape(G * T, D), cos, sin, cos_swa, sin_swa, row_seq, row_pos,
+                                           row_write, [k for k, _ in kv], [v for _, v in kv], tap_slots, len(taps))
+        return x.view(G, T, D), out.view(G, T, len(taps), D) if taps else None
     plan = ForwardPlan(positions, write_rows, write_seq, write_pos, kv_seqs, mask_full.shape[-1], mask_full, mask_swa)
-    for layer, (k_cache, v_cache) in zip(model.layers, kv):
+    tapped = {}
+    for i, (layer, (k_cache, v_cache)) in enumerate(zip(model.layers, kv)):
+        if i in taps:
+            tapped[i] = x
         x = layer.forward_torch(x, plan, ropes[int(layer.swa)], k_cache, v_cache)
-    return x
+    tapped[len(model.layers)] = x
+    return x, torch.stack([tapped[i] for i in taps], dim=2) if taps else None
 
 
 # --- the step -----------------------------------------------------------------------------------------------------
@@ -168,7 +177,7 @@ class CompileStats:
 
 
 class CompiledStep:
-    """Runs the decoder blocks of a step compiled (`Transformer.forward_hidden(..., step=)`); Context pads the step's
+    """Runs the decoder blocks of a step compiled (`Transformer.forward_tapped(..., step=)`); Context pads the step's
     rows to ROW_BUCKETS (`fits`, `bucket`) before it calls the model."""
 
     def __init__(self, name: str, cuda: bool, pad: bool | None = None):
@@ -200,8 +209,10 @@ class CompiledStep:
         """One graph per step needs every block on one device (-ngl splits run eager)."""
         return len(set(model.layer_devices)) == 1
 
-    def __call__(self, model: Transformer, x: torch.Tensor, plan: ForwardPlan, kv) -> torch.Tensor:
-        """x [G, T, D] after the embedding -> after the last block; the caches written as eager writes them."""
+    def __call__(self, model: Transformer, x: torch.Tensor, plan: ForwardPlan, kv,
+                 taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [G, T, D] after the embedding -> (after the last block, the features of `taps` or None), the caches
+        written as eager writes them (Transformer.forward_tapped)."""
         G, T, _ = x.shape
         stack = model.kernel_stack(x, kv)
         ropes = tables = None
@@ -220,7 +231,8 @@ class CompiledStep:
         torch._dynamo.maybe_mark_dynamic(x, 1)
         args = (model, x, plan.positions, plan.write_rows, plan.write_seq, plan.write_pos, plan.kv_seqs,
                 plan.mask_full, plan.mask_swa, ropes, kv,
-                None if stack is None else stack.address, tables, *row_args)
+                None if stack is None else stack.address, tables, *row_args, taps,
+                model.tap_slots(taps) if stack is not None else None)
         return self._timed(self._fn, args, G, T)
 
     def _timed(self, fn, args, G: int, T: int):

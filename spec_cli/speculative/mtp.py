@@ -64,7 +64,6 @@ def check_rollback(value: str) -> str:
 class MTPDrafter(Drafter):
     name = "draft-mtp"
     cheap = False
-    reads_target_hidden = True
 
     def __init__(self, ctx: MTPContext, target: Context, params: SpecParams, n_seq: int,
                  n_max: int = MTP_DRAFT_MAX, p_min: float = MTP_DRAFT_P_MIN):
@@ -82,16 +81,19 @@ class MTPDrafter(Drafter):
         self.lost: set[int] = set()  # sequences resumed past positions this drafter never processed
         self.idle = [0] * n_seq  # target decodes since the sequence last asked for a draft
 
+    def target_layers(self) -> tuple[int, ...]:
+        return (self.target.config.n_layer_main,)  # the final pre-norm state
+
     def begin(self, seq: int, prompt: list[int]) -> None:
         self.idle[seq] = 0
         if seq not in self.lost and self._backlog(seq) > 0:
             self._decode(self._catch_up(Batch(), [seq]))  # the prompt's rows, as part of its processing
 
     def process(self, batch: Batch) -> None:
-        hidden = self.target.last_hidden  # [len(batch), D] target pre-norm states, batch order
-        if hidden is None or hidden.shape[0] != len(batch):
-            raise SpecCliError("draft-mtp needs the target's hidden states of every decoded row (capture_hidden: "
-                               "open the drafter through a session.Session)")
+        hidden = self.target.features_of(self.target_layers())[:, 0]  # [len(batch), D] pre-norm states, batch order
+        if hidden.shape[0] != len(batch):
+            raise SpecCliError("draft-mtp needs the target's features of every decoded row (open the drafter "
+                               "through a session.Session)")
         for seq, p0 in self.target_cache.record(batch).items():
             if seq in self.rows and p0 != self.rows[seq][0]:
                 del self.rows[seq]  # not the verify batch of the draft: its head rows are scratch
