@@ -15,7 +15,8 @@ import torch
 from spec_cli.errors import SpecCliError, UsageError
 from spec_cli.model.context import Context
 from spec_cli.model.loader import LoadedModel, load_model
-from spec_cli.model.mtp_head import MTPContext, load_mtp_head
+from spec_cli.model.head_context import HeadContext
+from spec_cli.model.mtp_head import load_mtp_head
 from spec_cli.options import DEFAULT_GPU_LAYERS, default
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.draft_model import check_vocab_compatible
@@ -51,7 +52,7 @@ class Engine:
     ctx: Context
     draft: LoadedModel | None = None
     draft_ctx: Context | None = None
-    mtp_ctx: MTPContext | None = None  # the target's NextN head with its own KV (draft-mtp)
+    mtp_ctx: HeadContext | None = None  # the target's NextN head with its own KV (draft-mtp)
     costs: CostModel = field(default_factory=CostModel)  # --draft-max auto: the target's verify cost, calibrated once
 
     @property
@@ -134,7 +135,7 @@ def assemble_engine(opts: EngineOptions, target: LoadedModel, tokenizer: Tokeniz
         if head is None:
             raise SpecCliError("--spec-type draft-mtp needs a model with an MTP (NextN) head; this model has none "
                                "(spec-cli mtp-train can distill one)")
-        mtp_ctx = MTPContext(head, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
+        mtp_ctx = HeadContext(head, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
     return Engine(target, tokenizer, ctx, draft, draft_ctx, mtp_ctx, CostModel(verify_cost_cache()))
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from spec_cli.errors import UsageError
 from spec_cli.model.context import Context
-from spec_cli.model.mtp_head import MTPContext
+from spec_cli.model.head_context import HeadContext
 from spec_cli.speculative.base import Drafter, SpecParams
 from spec_cli.speculative.draft_model import DraftModelDrafter
 from spec_cli.speculative.mtp import MTPDrafter
@@ -36,7 +36,7 @@ class DrafterInputs:
     n_seq: int
     target: Context  # draft-mtp reads the target's hidden states
     draft: Context | None = None  # the draft model's (-md), for draft-simple
-    mtp: MTPContext | None = None  # the target's NextN head with its own KV, for draft-mtp
+    mtp: HeadContext | None = None  # the target's NextN head with its own KV, for draft-mtp
 
 
 DrafterFactory = Callable[[DrafterInputs], Drafter]
