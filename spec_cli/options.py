@@ -126,8 +126,8 @@ def _ngram(name: str, default: int, help: str) -> Opt:
 
 SPEC = ("Speculative decoding", [
     Opt("spec_type", Optional[list[str]], None, ("--spec-type",),
-        "drafters, comma list, repeatable: none, draft-simple|draft, draft-mtp|mtp, ngram-simple, ngram-map-k, "
-        "ngram-map-k4v, ngram-mod, ngram-cache"),
+        "drafters, comma list, repeatable: none, draft-simple|draft, draft-mtp|mtp, draft-eagle3|eagle3 (-md: an "
+        "EAGLE-3 head), ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache"),
     Opt("spec_default", bool, False, ("--spec-default",),
         "llama.cpp's default speculative config: ngram-mod with its --spec-ngram-mod-* settings (added to any "
         "--spec-type chain)"),

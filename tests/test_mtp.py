@@ -33,6 +33,7 @@ from spec_cli.text.tokenizer import Tokenizer
 from spec_cli.train.data import generation_prompts, stdlib_documents, token_windows
 from spec_cli.train.mtp import TrainConfig, draft_vocabulary, train
 from spec_cli.train.mtp_features import head_forward
+from tests.draft_recorder import record_drafts
 from tests.tiny_mtp import write_tiny_mtp_gguf
 
 GREEDY = SamplingParams(temp=0.0)
@@ -130,19 +131,6 @@ def reference_draft(head, lm, prompt: list[int], id_last: int, n: int, shift: in
             tokens.append(drafts[-1])
             feed = torch.cat((feed, out[-1:]))
     return drafts
-
-
-def record_drafts(session):
-    """Wrap the MTP drafter's draft(): every call's (prompt, id_last, drafted tokens)."""
-    drafter = session.chain.drafters[-1]
-    calls, inner = [], drafter.draft
-
-    def draft(params):
-        inner(params)
-        calls.extend((list(p.prompt), p.id_last, list(p.result)) for p in params if p.result)
-
-    drafter.draft = draft
-    return calls
 
 
 @pytest.mark.parametrize("n_seq", [1, 4])

@@ -14,7 +14,9 @@ import torch
 
 from spec_cli.errors import SpecCliError, UsageError
 from spec_cli.model.context import Context
-from spec_cli.model.loader import LoadedModel, load_model
+from spec_cli.model.loader import LoadedModel, load_model, parse_device
+from spec_cli.model.eagle3_head import Eagle3Head, load_eagle3_head
+from spec_cli.model.gguf_file import GGUFFile
 from spec_cli.model.head_context import HeadContext
 from spec_cli.model.mtp_head import load_mtp_head
 from spec_cli.options import DEFAULT_GPU_LAYERS, default
@@ -53,6 +55,7 @@ class Engine:
     draft: LoadedModel | None = None
     draft_ctx: Context | None = None
     mtp_ctx: HeadContext | None = None  # the target's NextN head with its own KV (draft-mtp)
+    eagle3_ctx: HeadContext | None = None  # the EAGLE-3 head of -md with its own KV (draft-eagle3)
     costs: CostModel = field(default_factory=CostModel)  # --draft-max auto: the target's verify cost, calibrated once
 
     @property
@@ -62,7 +65,7 @@ class Engine:
     @property
     def contexts(self) -> list[Context]:
         """Every KV cache the engine holds."""
-        return [ctx for ctx in (self.ctx, self.draft_ctx, self.mtp_ctx) if ctx is not None]
+        return [ctx for ctx in (self.ctx, self.draft_ctx, self.mtp_ctx, self.eagle3_ctx) if ctx is not None]
 
 
 def resolve(value: str | None) -> Path:
@@ -78,13 +81,21 @@ def verify_cost_cache() -> Path:
     return cache_dir() / "verify-cost.json"
 
 
+MD_TYPES = ("draft-simple", "draft-eagle3")  # the spec types that draft with the -md file
+
+
 def implied_spec(opts: EngineOptions) -> SpecParams:
     """The speculation settings the options amount to: -md alone enables draft-simple (llama.cpp #25345)."""
     spec = opts.spec
-    if opts.model_draft and "draft-simple" not in spec.types:
+    readers = [t for t in MD_TYPES if t in spec.types]
+    if opts.model_draft and not readers:
         spec = replace(spec, types=[*spec.types, "draft-simple"])
-    if "draft-simple" in spec.types and not opts.model_draft:
+    if len(readers) > 1:
+        raise UsageError(f"--spec-type {' and '.join(readers)} both draft with the -md file: choose one")
+    if readers == ["draft-simple"] and not opts.model_draft:
         raise UsageError("--spec-type draft-simple needs a draft model (-md FILE|NAME)")
+    if readers == ["draft-eagle3"] and not opts.model_draft:
+        raise UsageError("--spec-type draft-eagle3 needs an EAGLE-3 draft (-md FILE, e.g. from spec-cli draft-train)")
     return spec
 
 
@@ -115,8 +126,10 @@ def load_target(opts: EngineOptions) -> LoadedModel:
         return load_model(resolve(opts.model), opts.device, opts.n_gpu_layers, opts.dtype)
     if opts.n_gpu_layers != DEFAULT_GPU_LAYERS:
         raise UsageError("-tp puts every block on its rank's device: -ngl cannot be combined with it")
-    if "draft-mtp" in opts.spec.types:
-        raise UsageError("--spec-type draft-mtp reads the target's NextN head, which -tp does not shard")
+    for kind in ("draft-mtp", "draft-eagle3"):
+        if kind in opts.spec.types:
+            raise UsageError(f"--spec-type {kind} reads the target's hidden states, which -tp's shards do not "
+                             "return")
     return tensor_parallel.load_target(resolve(opts.model), opts.device, opts.dtype, opts.tensor_parallel,
                                        opts.threads)
 
@@ -136,7 +149,26 @@ def assemble_engine(opts: EngineOptions, target: LoadedModel, tokenizer: Tokeniz
             raise SpecCliError("--spec-type draft-mtp needs a model with an MTP (NextN) head; this model has none "
                                "(spec-cli mtp-train can distill one)")
         mtp_ctx = HeadContext(head, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
-    return Engine(target, tokenizer, ctx, draft, draft_ctx, mtp_ctx, CostModel(verify_cost_cache()))
+    eagle3_ctx = None
+    if "draft-eagle3" in opts.spec.types:
+        head = load_eagle3(opts, target, tokenizer)
+        eagle3_ctx = HeadContext(head, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
+    return Engine(target, tokenizer, ctx, draft, draft_ctx, mtp_ctx, eagle3_ctx, CostModel(verify_cost_cache()))
+
+
+def load_eagle3(opts: EngineOptions, target: LoadedModel, tokenizer: Tokenizer) -> Eagle3Head:
+    """The EAGLE-3 head of -md for this target, on -devd's device (the target's by default; -ngld 0 = the CPU),
+    its vocabulary checked against the target's where the file carries one."""
+    if not opts.model_draft:
+        raise UsageError("--spec-type draft-eagle3 needs an EAGLE-3 draft (-md FILE, e.g. from spec-cli draft-train)")
+    gf = GGUFFile(resolve(opts.model_draft))
+    device = parse_device(opts.device_draft or opts.device)
+    if opts.n_gpu_layers_draft == 0:
+        device = torch.device("cpu")
+    head = load_eagle3_head(gf, target, device)
+    if "tokenizer.ggml.tokens" in gf.metadata:
+        check_vocab_compatible(tokenizer, Tokenizer.from_metadata(gf.metadata))
+    return head
 
 
 def context_class(loaded: LoadedModel) -> type[Context]:

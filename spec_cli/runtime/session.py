@@ -93,7 +93,8 @@ def build_chain(engine: Engine, spec: SpecParams) -> Chain | None:
     """Fresh drafters (empty n-gram state, cleared draft caches) for the spec types, in the registry's priority
     order; with --draft-max auto, a fresh planner for them on the engine's cost model."""
     n_seq = engine.ctx.n_seq
-    drafters = build_drafters(spec.types, DrafterInputs(spec, n_seq, engine.ctx, engine.draft_ctx, engine.mtp_ctx))
+    drafters = build_drafters(spec.types, DrafterInputs(spec, n_seq, engine.ctx, engine.draft_ctx, engine.mtp_ctx,
+                                                            engine.eagle3_ctx))
     if not drafters:
         return None
     return Chain(drafters, n_seq, Planner(engine.costs, spec.draft_max) if spec.adaptive else None, spec.select)

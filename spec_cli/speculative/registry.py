@@ -18,6 +18,7 @@ from spec_cli.model.context import Context
 from spec_cli.model.head_context import HeadContext
 from spec_cli.speculative.base import Drafter, SpecParams
 from spec_cli.speculative.draft_model import DraftModelDrafter
+from spec_cli.speculative.eagle3 import Eagle3Drafter
 from spec_cli.speculative.mtp import MTPDrafter
 from spec_cli.speculative.ngram_cache import NgramCacheDrafter
 from spec_cli.speculative.ngram_map import NgramMapK4vDrafter, NgramMapKDrafter
@@ -37,6 +38,7 @@ class DrafterInputs:
     target: Context  # draft-mtp reads the target's hidden states
     draft: Context | None = None  # the draft model's (-md), for draft-simple
     mtp: HeadContext | None = None  # the target's NextN head with its own KV, for draft-mtp
+    eagle3: HeadContext | None = None  # the EAGLE-3 head (-md) with its own KV, for draft-eagle3
 
 
 DrafterFactory = Callable[[DrafterInputs], Drafter]
@@ -92,3 +94,6 @@ register_drafter("draft-simple", lambda inputs: DraftModelDrafter(inputs.draft, 
                  aliases=("draft",))
 register_drafter("draft-mtp", lambda inputs: MTPDrafter(inputs.mtp, inputs.target, inputs.params, inputs.n_seq),
                  aliases=("mtp",))
+register_drafter("draft-eagle3",
+                 lambda inputs: Eagle3Drafter(inputs.eagle3, inputs.target, inputs.params, inputs.n_seq),
+                 aliases=("eagle3",))
