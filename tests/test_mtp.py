@@ -393,7 +393,7 @@ def test_training_lowers_the_loss_and_round_trips(tiny_model_path, tmp_path, dty
     lm = load_model(out, device="cpu")
     assert (lm.config.n_layer_main, lm.config.n_nextn) == (target.config.n_layer, 1)
     assert load_mtp_head(lm).draft_vocab.shape == (100,)
-    trained = torch.load(out.with_suffix(".ckpt.pt"))["head"]
+    trained = torch.load(out.with_suffix(".ckpt.pt"))["module"]
     loaded = load_mtp_head(lm).state_dict()
     assert trained.keys() == loaded.keys()
     for name, t in trained.items():

@@ -19,7 +19,7 @@ from spec_cli.runtime.engine import EngineOptions
 from spec_cli.runtime.generate import generate
 from spec_cli.runtime.session import open_session
 from spec_cli.speculative.base import SpecParams
-from spec_cli.train.mtp_features import causal_plan, scratch_kv
+from spec_cli.train.target_pass import causal_plan, scratch_kv
 from tests.tiny_gguf import write_tiny_gguf
 from tests.tiny_mtp import write_tiny_mtp_gguf
 

@@ -25,12 +25,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
+import gguf.quants
+import numpy as np
 import torch
 from torch import nn
 
 from spec_cli.errors import SpecCliError
 from spec_cli.model.config import ModelConfig
-from spec_cli.model.gguf_file import GGUFFile
+from spec_cli.model.gguf_file import GGUFFile, copy_fields
 from spec_cli.model.loader import LoadedModel
 from spec_cli.model.qlinear import QLinear, fuse_attention_ffn, supports
 from spec_cli.model.quants import load_tensor
@@ -329,3 +332,48 @@ def _check_shapes(head: Eagle3Head, name: str, d2t: list[int] | None) -> None:
         raise SpecCliError(f"{name}: token_embd must be [{cfg.n_vocab}, {H}] (the target's vocabulary)")
     if head.output is None and d2t is not None and len(d2t) != cfg.n_vocab:
         raise SpecCliError(f"{name}: d2t has {len(d2t)} rows but the head uses the target's output matrix")
+
+
+def write_eagle3_gguf(head: Eagle3Head, target_path: str | Path, dst: str | Path,
+                      qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q8_0) -> Path:
+    """The head as llama.cpp's converter writes an eagle3 file: its keys, the target's tokenizer, the tensors under
+    their llama.cpp names (q and k rows are already in llama's interleaved rope order: the head computes with it),
+    matrices as `qtype` blocks (F16 where a row is not whole blocks), norms float32, d2t int64 target ids."""
+    cfg, layout = head.cfg, head.layout
+    writer = gguf.GGUFWriter(str(dst), ARCH)
+    copy_fields(gguf.GGUFReader(str(target_path)), writer, lambda key: key.startswith("tokenizer."))
+    for key, value in (("block_count", 1), ("context_length", cfg.n_ctx_train), ("embedding_length", cfg.n_embd),
+                       ("feed_forward_length", cfg.n_ff), ("attention.head_count", cfg.n_head),
+                       ("attention.head_count_kv", cfg.n_head_kv), ("attention.key_length", cfg.head_dim),
+                       ("attention.value_length", cfg.head_dim), ("rope.dimension_count", cfg.rope_dim),
+                       ("vocab_size", cfg.n_vocab), ("target_hidden_size", layout.target_hidden)):
+        writer.add_uint32(f"{ARCH}.{key}", value)
+    writer.add_float32(f"{ARCH}.attention.layer_norm_rms_epsilon", cfg.rms_eps)
+    writer.add_float32(f"{ARCH}.rope.freq_base", cfg.rope_base)
+    writer.add_array(LAYER_KEYS[0], [int(v) for v in layout.target_layers])
+    for flag in ("norm_before_residual", "norm_before_fc"):
+        if getattr(layout, flag):
+            writer.add_bool(f"{ARCH}.{flag}", True)
+    names = {**{path: name for name, path in TENSORS.items()}, "hidden_norm.weight": HIDDEN_NORMS[0]}
+    for path, name in names.items():
+        owner = head if "." in path else None
+        for part in path.split(".")[:-1]:
+            owner = getattr(owner, part, None)
+        if owner is None or isinstance(owner, Embedding):
+            continue  # rope_freqs, the parts the head has not, and the embedding (the target's)
+        arr = owner.weight.detach().float().cpu().numpy()
+        block = gguf.GGML_QUANT_SIZES[qtype][0]
+        if arr.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
+        elif qtype == gguf.GGMLQuantizationType.F16 or arr.shape[1] % block:
+            writer.add_tensor(name, arr.astype(np.float16))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+    if head.draft_vocab is not None:
+        writer.add_tensor(D2T_NAMES[0], head.draft_vocab.cpu().numpy().astype(np.int64),
+                          raw_dtype=gguf.GGMLQuantizationType.I64)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(dst)

@@ -29,7 +29,7 @@ from torch import nn
 
 from spec_cli.errors import SpecCliError
 from spec_cli.model.config import ModelConfig
-from spec_cli.model.gguf_file import GGUFFile
+from spec_cli.model.gguf_file import GGUFFile, copy_fields
 from spec_cli.model.loader import _BLOCK_NAMES, LoadedModel, _set_param
 from spec_cli.model.qlinear import QLinear, fuse_block_projections
 from spec_cli.model.quants import load_tensor
@@ -211,17 +211,7 @@ def write_gguf_with_head(src: str | Path, dst: str | Path, head_tensors: dict[st
         raise SpecCliError(f"{Path(src).name} already has NextN layers")
     il = int(reader.fields[block_key].contents())
     writer = gguf.GGUFWriter(str(dst), arch)
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == gguf.Keys.General.ARCHITECTURE:
-            continue  # header counters, and the architecture the writer adds itself
-        value = field.contents()
-        if key == gguf.Keys.General.ALIGNMENT:
-            writer.add_custom_alignment(int(value))
-        elif key == block_key:
-            writer.add_key_value(key, il + 1, field.types[0])
-        else:
-            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, value, field.types[0], sub_type)
+    copy_fields(reader, writer, lambda key: True, {block_key: il + 1})
     writer.add_uint32(nextn_key, 1)
     if draft_vocab:
         writer.add_array(DRAFT_VOCAB_KEY, [int(t) for t in draft_vocab])

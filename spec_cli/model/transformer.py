@@ -323,6 +323,10 @@ class Transformer(nn.Module):
         """forward_hidden plus the target features a drafter asked for: the input of each layer in `taps` (ids in
         [0, n_layer]; n_layer = the last block's output, the final pre-norm state) for every row, as features
         [G, T, len(taps), D] on the last layer's device (None without taps: nothing is copied)."""
+        distinct = tuple(sorted(set(taps)))
+        if distinct != taps:  # each layer captured once, in order, then laid out as asked
+            hidden, out = self.forward_tapped(tokens, plan, kv, distinct, step)
+            return hidden, out[:, :, [distinct.index(layer) for layer in taps]]
         cfg = self.cfg
         x = self.tok_embd(tokens).to(self.dtype)
         if cfg.embed_scale != 1.0:
