@@ -49,7 +49,7 @@ class Loop:
         self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0)
         warmup = max(1, min(20, steps // 10))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / warmup) * (
-            0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1)))))
+            0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s / max(steps, 1), 1)))))
         self.step = 0
 
     def resume(self) -> int:
