@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 
 from spec_cli.bench import DRAFT_MODEL_FIELDS, NGRAM_FIELDS, SWEPT_CASE_FIELDS
 from spec_cli.errors import UsageError
-from spec_cli.model.catalog import registry_entry
+from spec_cli.model.catalog import registry_entry, resolve_model
 from spec_cli.model.compiled import check_mode
 from spec_cli.options import BENCH_OPTIONS, DEFAULT_GPU_LAYERS, parse_gpu_layers
+from spec_cli.runtime.draft_files import draft_kind
 from spec_cli.speculative.adaptive import AUTO, parse_draft_max
 from spec_cli.speculative.chain import check_select, parse_spec_types
 from spec_cli.speculative.mtp import check_rollback
@@ -313,7 +314,9 @@ def _spec_tests(p: BenchParams, model: str) -> list[Test]:
             values = dict(zip(SWEPT_CASE_FIELDS, case))
             types = chain_types(values["spec_type"])
             if "draft-simple" not in types:  # settings a chain does not read make no duplicate runs
-                values.update({f: Test.__dataclass_fields__[f].default for f in DRAFT_MODEL_FIELDS})
+                # draft-eagle3 reads the -md file (and its device settings), not --draft-vocab
+                unread = ("draft_vocab",) if "draft-eagle3" in types else DRAFT_MODEL_FIELDS
+                values.update({f: Test.__dataclass_fields__[f].default for f in unread})
             if "draft-mtp" not in types:
                 values["spec_mtp_rollback"] = Test.__dataclass_fields__["spec_mtp_rollback"].default
             # the n-gram settings of the chain's own drafters (ngram_mod_n_match belongs to ngram-mod)
@@ -343,8 +346,8 @@ def from_flags(flags: dict) -> BenchParams:
     because in a sweep `-n` is the number of tokens generated per prompt."""
     spec_type = parse_spec_chains(flags.get("spec_type"))
     model_draft = parse_str_list(flags.get("model_draft"), [])
-    if model_draft and not spec_type:
-        spec_type = ["draft-simple"]  # -md alone enables draft-simple, as in every other command (#25345)
+    if model_draft and not spec_type:  # -md alone drafts with its file's kind, as in every other command
+        spec_type = sorted({draft_kind(resolve_model(md)) for md in model_draft})
     prompt_sets = parse_str_list(flags.get("prompt_set"), []) + list(flags.get("prompts") or [])
     speculative = bool(spec_type or prompt_sets)
     d = BenchParams()

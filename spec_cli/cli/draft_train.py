@@ -44,12 +44,14 @@ def _defaults(name: str) -> str:
 
 def draft_train(
     kind: str = typer.Option("eagle3", "--type", help="the head to train: eagle3 | mtp"),
-    model: Optional[str] = typer.Option(None, "-m", "--model", help="GGUF file or models.toml name (the frozen target)"),
+    model: Optional[str] = typer.Option(None, "-m", "--model",
+                                        help="GGUF file or models.toml name (the frozen target)"),
     output: Path = typer.Option(..., "-o", "--output", help="GGUF to write (eagle3: the head; mtp: the model + head)"),
     steps: Optional[int] = typer.Option(None, "--steps", help=f"optimizer steps ({_defaults('steps')})"),
     lr: Optional[float] = typer.Option(None, "--lr", help=f"peak learning rate, AdamW, warmup then cosine decay "
                                                           f"({_defaults('lr')})"),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", help=f"tokens per training window ({_defaults('seq_len')})"),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len",
+                                          help=f"tokens per training window ({_defaults('seq_len')})"),
     batch: Optional[int] = typer.Option(None, "--batch", help=f"windows per step ({_defaults('batch')})"),
     data_tokens: Optional[int] = typer.Option(None, "--data-tokens", help="training tokens the target is run over: "
                                               f"its own answers + standard-library text ({_defaults('data_tokens')})"),
@@ -78,10 +80,13 @@ def draft_train(
     if threads:
         torch.set_num_threads(threads)
     stderr.print(f"loading {model or 'the default model'} ...")
-    # The target only provides features, hundreds of rows per forward: bf16 where the hardware multiplies it natively
-    # (CUDA, AVX512-BF16/AMX CPUs: ~4x float32's speed there), else float32 (quantized weights are slow at that size)
     fast_bf16 = parse_device(device).type != "cpu" or cpu_bf16_is_fast()
-    loaded = load_model(resolve(model), device, dtype="bf16" if fast_bf16 else "f32")
+    # MTP: the target provides features, hundreds of rows per forward: bf16 where the hardware multiplies it natively
+    # (CUDA, AVX512-BF16/AMX CPUs: ~4x float32's speed there), else float32. EAGLE-3: the target mostly generates
+    # its answers, a few dozen rows per decode, where its quantized weights run 2-5x faster than bf16 on the CPU
+    # (and give the features and choices of the target as it runs); bf16 on CUDA
+    dtype = "auto" if kind == "eagle3" else "bf16" if fast_bf16 else "f32"
+    loaded = load_model(resolve(model), device, dtype=dtype)
     with progress_bars() as report:
         if kind == "eagle3":
             result = eagle3_train.train(loaded, output, cfg, report, resume=resume, bf16=fast_bf16)

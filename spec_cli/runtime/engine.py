@@ -12,14 +12,12 @@ from pathlib import Path
 
 import torch
 
-from spec_cli.errors import SpecCliError, UsageError
+from spec_cli.errors import UsageError
 from spec_cli.model.context import Context
-from spec_cli.model.loader import LoadedModel, load_model, parse_device
-from spec_cli.model.eagle3_head import Eagle3Head, load_eagle3_head
-from spec_cli.model.gguf_file import GGUFFile
 from spec_cli.model.head_context import HeadContext
-from spec_cli.model.mtp_head import load_mtp_head
+from spec_cli.model.loader import LoadedModel, load_model
 from spec_cli.options import DEFAULT_GPU_LAYERS, default
+from spec_cli.runtime.draft_files import draft_kind, head_device, load_eagle3, load_mtp, md_type
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.draft_model import check_vocab_compatible
 from spec_cli.speculative.verify_costs import CostModel
@@ -81,20 +79,18 @@ def verify_cost_cache() -> Path:
     return cache_dir() / "verify-cost.json"
 
 
-MD_TYPES = ("draft-simple", "draft-eagle3")  # the spec types that draft with the -md file
-
-
 def implied_spec(opts: EngineOptions) -> SpecParams:
-    """The speculation settings the options amount to: -md alone enables draft-simple (llama.cpp #25345)."""
+    """The speculation settings the options amount to: -md adds the spec type of its file's kind (draft-simple for
+    a model, as -md alone did in llama.cpp #25345; draft-eagle3 for an eagle3 file; draft-mtp for a model with NextN
+    layers, llama.cpp #26814)."""
     spec = opts.spec
-    readers = [t for t in MD_TYPES if t in spec.types]
-    if opts.model_draft and not readers:
-        spec = replace(spec, types=[*spec.types, "draft-simple"])
-    if len(readers) > 1:
-        raise UsageError(f"--spec-type {' and '.join(readers)} both draft with the -md file: choose one")
-    if readers == ["draft-simple"] and not opts.model_draft:
+    if opts.model_draft:
+        kind = md_type(spec.types, resolve(opts.model_draft))
+        if kind not in spec.types:
+            spec = replace(spec, types=[*spec.types, kind])
+    elif "draft-simple" in spec.types:
         raise UsageError("--spec-type draft-simple needs a draft model (-md FILE|NAME)")
-    if readers == ["draft-eagle3"] and not opts.model_draft:
+    elif "draft-eagle3" in spec.types:
         raise UsageError("--spec-type draft-eagle3 needs an EAGLE-3 draft (-md FILE, e.g. from spec-cli draft-train)")
     return spec
 
@@ -142,33 +138,18 @@ def assemble_engine(opts: EngineOptions, target: LoadedModel, tokenizer: Tokeniz
     ctx = context_class(target)(target, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch, compile=opts.compile)
     # the draft context has the target's n_ctx (a smaller one crashed llama.cpp, #22554)
     draft_ctx = Context(draft, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch, compile=opts.compile) if draft else None
-    mtp_ctx = None
+    mtp_ctx = eagle3_ctx = None
+    md = resolve(opts.model_draft) if opts.model_draft else None
     if "draft-mtp" in opts.spec.types:
-        head = load_mtp_head(target)
-        if head is None:
-            raise SpecCliError("--spec-type draft-mtp needs a model with an MTP (NextN) head; this model has none "
-                               "(spec-cli mtp-train can distill one)")
+        head = load_mtp(md if md and draft_kind(md) == "draft-mtp" else None, target)
         mtp_ctx = HeadContext(head, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
-    eagle3_ctx = None
     if "draft-eagle3" in opts.spec.types:
-        head = load_eagle3(opts, target, tokenizer)
+        if md is None:
+            raise UsageError("--spec-type draft-eagle3 needs an EAGLE-3 draft (-md FILE, e.g. from spec-cli "
+                             "draft-train)")
+        head = load_eagle3(md, target, tokenizer, head_device(opts.device, opts.device_draft, opts.n_gpu_layers_draft))
         eagle3_ctx = HeadContext(head, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
     return Engine(target, tokenizer, ctx, draft, draft_ctx, mtp_ctx, eagle3_ctx, CostModel(verify_cost_cache()))
-
-
-def load_eagle3(opts: EngineOptions, target: LoadedModel, tokenizer: Tokenizer) -> Eagle3Head:
-    """The EAGLE-3 head of -md for this target, on -devd's device (the target's by default; -ngld 0 = the CPU),
-    its vocabulary checked against the target's where the file carries one."""
-    if not opts.model_draft:
-        raise UsageError("--spec-type draft-eagle3 needs an EAGLE-3 draft (-md FILE, e.g. from spec-cli draft-train)")
-    gf = GGUFFile(resolve(opts.model_draft))
-    device = parse_device(opts.device_draft or opts.device)
-    if opts.n_gpu_layers_draft == 0:
-        device = torch.device("cpu")
-    head = load_eagle3_head(gf, target, device)
-    if "tokenizer.ggml.tokens" in gf.metadata:
-        check_vocab_compatible(tokenizer, Tokenizer.from_metadata(gf.metadata))
-    return head
 
 
 def context_class(loaded: LoadedModel) -> type[Context]:

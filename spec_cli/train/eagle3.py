@@ -34,6 +34,7 @@ from spec_cli.errors import SpecCliError
 from spec_cli.model.config import ModelConfig
 from spec_cli.model.eagle3_head import Eagle3Head, Eagle3Layout, write_eagle3_gguf
 from spec_cli.model.loader import LoadedModel
+from spec_cli.model.quants import load_tensor
 from spec_cli.model.transformer import apply_rope
 from spec_cli.train.data import Progress, ProgressFn, cached
 from spec_cli.train.eagle3_data import UNKNOWN, Windows, build, draft_vocabulary
@@ -46,7 +47,7 @@ RIDGE_ROWS = 16384  # positions the fc init is fitted on
 @dataclass
 class Eagle3TrainConfig:
     steps: int = 800
-    lr: float = 1e-3
+    lr: float = 3e-4
     seq_len: int = 256
     batch: int = 4
     data_tokens: int = 131072  # training tokens the target is run over (answers + code)
@@ -87,30 +88,31 @@ def interleaved(w: torch.Tensor, n_head: int, rope_type: str) -> torch.Tensor:
 
 def init_head(loaded: LoadedModel, train: Windows, layers: tuple[int, ...], d2t: list[int], cfg: Eagle3TrainConfig,
               device: torch.device) -> Eagle3Head:
-    """A trainable float32 head (module docstring: Init)."""
+    """A trainable float32 head (module docstring: Init), the target's weights read from its file (whatever form
+    the loaded target keeps them in)."""
     tcfg, target = loaded.config, loaded.model
     hcfg = head_config(tcfg, cfg.n_ff)
     head = Eagle3Head(hcfg, Eagle3Layout(layers, tcfg.n_embd, False, False, False), target, {"output"}, len(d2t))
-    last = target.layers[-1]
-    weight = lambda m: m.weight.detach().float().cpu()  # noqa: E731
+    last = lambda name: load_tensor(loaded.gguf, f"blk.{tcfg.n_layer_main - 1}.{name}.weight")  # noqa: E731
+    param = lambda t: torch.nn.Parameter(t.float().contiguous())  # noqa: E731
     with torch.no_grad():
-        for name, n_head in (("wq", tcfg.n_head), ("wk", tcfg.n_head_kv), ("wv", 0)):
-            w = weight(getattr(last.attn, name))
-            w = interleaved(w, n_head, tcfg.rope_type) if n_head else w
-            getattr(head.attn, name).weight = torch.nn.Parameter(torch.cat((w, w), dim=1) / 2)
-        head.attn.wo.weight = torch.nn.Parameter(torch.zeros(hcfg.n_embd, hcfg.n_head * hcfg.head_dim))
-        for norm in (head.attn_norm, head.hidden_norm):
-            norm.weight = torch.nn.Parameter(weight(last.attn_norm))
-        head.ffn_norm.weight = torch.nn.Parameter(weight(last.ffn_norm))
-        for name in ("w_gate", "w_up"):
-            own = getattr(head.ffn, name)
-            source = weight(getattr(last.ffn, name))
-            own.weight = torch.nn.Parameter(source if source.shape == own.weight.shape
-                                            else torch.randn(own.weight.shape) / math.sqrt(hcfg.n_embd))
-        head.ffn.w_down.weight = torch.nn.Parameter(torch.zeros(hcfg.n_embd, hcfg.n_ff))
-        head.out_norm.weight = torch.nn.Parameter(weight(target.norm))
-        head.output.weight = torch.nn.Parameter(target_rows(target, d2t))
-        head.fc.weight = torch.nn.Parameter(fit_fc(train, cfg.ridge))
+        for name, gguf_name, n_head in (("wq", "attn_q", tcfg.n_head), ("wk", "attn_k", tcfg.n_head_kv),
+                                        ("wv", "attn_v", 0)):
+            w = interleaved(last(gguf_name), n_head, tcfg.rope_type) if n_head else last(gguf_name)
+            getattr(head.attn, name).weight = param(torch.cat((w, w), dim=1) / 2)
+        head.attn.wo.weight = param(torch.zeros(hcfg.n_embd, hcfg.n_head * hcfg.head_dim))
+        head.attn_norm.weight = param(last("attn_norm"))
+        head.hidden_norm.weight = param(last("attn_norm"))
+        head.ffn_norm.weight = param(last("ffn_norm"))
+        for name, gguf_name in (("w_gate", "ffn_gate"), ("w_up", "ffn_up")):
+            w = last(gguf_name)
+            own = getattr(head.ffn, name).weight
+            getattr(head.ffn, name).weight = param(w if w.shape == own.shape
+                                                   else torch.randn(own.shape) / math.sqrt(hcfg.n_embd))
+        head.ffn.w_down.weight = param(torch.zeros(hcfg.n_embd, hcfg.n_ff))
+        head.out_norm.weight = param(target.norm.weight.detach())
+        head.output.weight = param(target_rows(loaded, d2t))
+        head.fc.weight = param(fit_fc(train, cfg.ridge))
     head.draft_vocab = torch.tensor(d2t, dtype=torch.long)
     head.to(device)
     head.device, head.dtype = device, torch.float32
@@ -119,12 +121,10 @@ def init_head(loaded: LoadedModel, train: Windows, layers: tuple[int, ...], d2t:
     return head
 
 
-def target_rows(target, ids: list[int]) -> torch.Tensor:
-    """[len(ids), D] float32: the target's output matrix rows of these tokens."""
-    out = target.output
-    if hasattr(out, "weight") and out.weight is not None:
-        return out.weight.detach()[ids].float().cpu().clone()
-    raise SpecCliError("draft-train needs the target's output matrix as float weights (load it with --dtype f32)")
+def target_rows(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
+    """[len(ids), D] float32: the target's output matrix rows of these tokens (its embedding where tied)."""
+    name = "output.weight" if "output.weight" in loaded.gguf.tensors else "token_embd.weight"
+    return load_tensor(loaded.gguf, name)[ids].contiguous()
 
 
 def fit_fc(train: Windows, ridge: float) -> torch.Tensor:
@@ -144,10 +144,10 @@ class Teacher:
     """The target's side of the loss: its distribution over the draft vocabulary from its final state (its output
     norm and the draft vocabulary's rows of its output matrix, frozen copies), and each token's draft row."""
 
-    def __init__(self, target, d2t: list[int], device: torch.device):
-        self.norm = target.norm
-        self.rows = target_rows(target, d2t).to(device)  # [V_d, D]
-        self.index = torch.full((target.cfg.n_vocab,), -1, dtype=torch.long)  # token -> draft row, -1 outside
+    def __init__(self, loaded: LoadedModel, d2t: list[int], device: torch.device):
+        self.norm = loaded.model.norm
+        self.rows = target_rows(loaded, d2t).to(device)  # [V_d, D]
+        self.index = torch.full((loaded.config.n_vocab,), -1, dtype=torch.long)  # token -> draft row, -1 outside
         self.index[torch.tensor(d2t)] = torch.arange(len(d2t))
 
     def probs(self, final: torch.Tensor) -> torch.Tensor:
@@ -197,15 +197,17 @@ def ttt_loss(head: Eagle3Head, teacher: Teacher, w: Windows, n_steps: int, bf16:
     total = weight = 0.0
     info = {}
     for j, h in enumerate(states):
-        n = T - j - 1  # anchors a whose target position a + j + 1 is in the window
-        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-            logits = head.output(head.out_norm(h[:, :n]))
-        valid = rows[:, j + 1 :] >= 0
-        log_q = F.log_softmax(logits.float(), dim=-1)
-        loss_j = -(target[:, j + 1 :] * log_q).sum(-1)[valid].mean() if valid.any() else log_q.sum() * 0
+        valid = rows[:, j + 1 :] >= 0  # anchors whose target position a + j + 1 is a chosen, draftable token
+        if not valid.any():
+            continue
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):  # the output product of the rows that count
+            logits = head.output(head.out_norm(h[:, : T - j - 1][valid]))  # [M, V_d]
+        loss_j = -(target[:, j + 1 :][valid] * F.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
         total, weight = total + STEP_DECAY ** j * loss_j, weight + STEP_DECAY ** j
         if j == 0:
-            info["acc"] = (logits.argmax(-1) == rows[:, 1:])[valid].float().mean().item() if valid.any() else 0.0
+            info["acc"] = (logits.argmax(-1) == rows[:, 1:][valid]).float().mean().item()
+    if not weight:  # nothing to learn from in these windows
+        return states[0].sum() * 0, info
     return total / weight, info
 
 
@@ -252,7 +254,7 @@ def train(loaded: LoadedModel, out_path: str | Path, cfg: Eagle3TrainConfig, pro
     d2t = draft_vocabulary(train_w.top1, loaded.config.n_vocab, cfg.draft_vocab)
     device = loaded.model.output_device
     head = init_head(loaded, train_w, layers, d2t, cfg, device)
-    teacher = Teacher(loaded.model, d2t, device)
+    teacher = Teacher(loaded, d2t, device)
     loop = Loop(head, cfg.steps, cfg.lr, out_path.with_suffix(".ckpt.pt"), cfg.checkpoint_every, clip=0.5,
                 config={**asdict(cfg), "layers": list(layers)})
     if resume:
