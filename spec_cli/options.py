@@ -132,7 +132,8 @@ SPEC = ("Speculative decoding", [
         "llama.cpp's default speculative config: ngram-mod with its --spec-ngram-mod-* settings (added to any "
         "--spec-type chain)"),
     Opt("model_draft", Optional[str], None, ("-md", "--model-draft", "--spec-draft-model"),
-        "draft model (GGUF or name); alone it enables draft-simple"),
+        "draft (GGUF or name); alone it enables its file's kind: a model draft-simple, an EAGLE-3 head draft-eagle3, "
+        "a model with NextN layers draft-mtp"),
     Opt("n_gpu_layers_draft", str, GPU_LAYERS_ALL, ("-ngld", "--n-gpu-layers-draft", "--gpu-layers-draft",
                                                     "--spec-draft-ngl"),
         "draft blocks on the GPU: N, or auto | all | -1 = every block"),
