@@ -135,6 +135,13 @@ def test_quantized_file_and_q8_head_draft_like_the_float_head(target_path, tmp_p
         out = ctx.decode(Batch(rows, list(range(len(rows))), [0] * len(rows), [True] * len(rows)), hidden=True)
         ref_h, _ = reference_rows(tiny, rows, reference_fuse(tiny, feats)[: len(rows)])
         assert (out.hidden - ref_h).abs().max() < 0.05 * ref_h.abs().max()
+        # the kernels' attention (qkv_prep + attention over the cache) computes what torch's SDPA does
+        n = len(rows)
+        plan = ctx.forward_plan(torch.arange(n)[None], torch.arange(n), torch.zeros(n, dtype=torch.long),
+                                torch.arange(n), slice(0, 1), n)
+        k, v = (torch.zeros_like(c) for c in ctx.kv[0])
+        sdpa = head(torch.tensor([rows]), g[None], plan, head.rope(plan.positions, len(rows)), k, v)[0]
+        torch.testing.assert_close(out.hidden, sdpa, rtol=1e-4, atol=1e-4)
 
 
 # --- the draft loop -------------------------------------------------------------------------------------------

@@ -37,7 +37,17 @@ from spec_cli.model.gguf_file import GGUFFile, copy_fields
 from spec_cli.model.loader import LoadedModel
 from spec_cli.model.qlinear import QLinear, fuse_attention_ffn, supports
 from spec_cli.model.quants import load_tensor
-from spec_cli.model.transformer import Attention, Embedding, FeedForward, ForwardPlan, Linear, RMSNorm, rope_tables
+from spec_cli.model import kernels
+from spec_cli.model.transformer import (
+    Attention,
+    Embedding,
+    FeedForward,
+    ForwardPlan,
+    Linear,
+    RMSNorm,
+    rope_table,
+    rope_tables,
+)
 
 ARCH = "eagle3"
 N_FEATURES = 3  # tapped target layers
@@ -163,25 +173,52 @@ class Eagle3Head(nn.Module):
         g = g.to(self.device, self.dtype)
         gn = self.hidden_norm(g)
         x = torch.cat((self.attn_norm(self.embed_tokens(tokens)), gn), dim=-1)  # [G, T, 2H]
-        h = self.attn(x, plan, rope, k_cache, v_cache) + (gn if self.layout.norm_before_residual else g)
+        if rope is None:  # a decode on the kernels (step): rope and attention there
+            a = self._attend_kernels(x, plan, k_cache, v_cache)
+        else:
+            a = self.attn(x, plan, rope, k_cache, v_cache)
+        h = a + (gn if self.layout.norm_before_residual else g)
         return h + self.ffn(self.ffn_norm(h))
 
     def step(self, tokens: torch.Tensor, g: torch.Tensor, plan: ForwardPlan, k_cache, v_cache) -> torch.Tensor:
-        """`forward` at the plan's positions with the head's rope (a HeadContext's decode)."""
+        """`forward` at the plan's positions with the head's rope (a HeadContext's decode): on the CPU kernels where
+        the head's projections are (float32 activations and cache, fused quantized q|k|v), else torch's ops."""
+        if isinstance(self.attn.qkv, QLinear) and kernels.usable(g) and k_cache.dtype == torch.float32:
+            return self(tokens, g, plan, None, k_cache, v_cache)
         return self(tokens, g, plan, self.rope(plan.positions, plan.n_kv), k_cache, v_cache)
 
-    def rope(self, positions: torch.Tensor, n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [G, 1, T, rope_dim / 2] of positions [G, T] (each < n_pos): the shared tables, or with
-        rope_freqs the head's own (each frequency divided by its factor)."""
+    def _attend_kernels(self, x: torch.Tensor, plan: ForwardPlan, k_cache, v_cache) -> torch.Tensor:
+        """The attention of rows x [G, T, 2H] as the decoder blocks' kernels compute it (kernels.qkv_prep: rope and
+        the cache writes; kernels.attention over the cache), one call each: torch's SDPA on one row cost most of a
+        draft token (14 ms of 23 on the 0.5b's head)."""
+        cfg, attn = self.cfg, self.attn
+        G, T, _ = x.shape
+        qkv = attn.qkv(x).reshape(G * T, -1)
+        q = kernels.qkv_prep(qkv, cfg.n_head, cfg.n_head_kv, cfg.head_dim, None, None, cfg.rms_eps,
+                             self.rope_table(plan.n_kv), cfg.rope_dim, False, plan.row_seq, plan.row_pos,
+                             plan.row_write, k_cache, v_cache)
+        out = kernels.attention(q, k_cache, v_cache, plan.row_seq, plan.row_pos, 0, cfg.attn_scale)
+        return attn.wo(out).view(G, T, -1)
+
+    def rope_table(self, n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [>= n_pos, rope_dim / 2] float32 on the CPU: the shared table, or with rope_freqs the head's own
+        (each frequency divided by its factor)."""
         cfg = self.cfg
         if self.rope_freqs is None:
-            return rope_tables(positions, n_pos, cfg.rope_dim, cfg.rope_base, cfg.rope_scale)
+            return rope_table(cfg.rope_dim, cfg.rope_base, cfg.rope_scale, n_pos)
         if self._rope_table is None or self._rope_table[0].shape[0] < n_pos:
             n = 1 << max(n_pos - 1, 1023).bit_length()
             inv = 1.0 / (cfg.rope_base ** (torch.arange(0, cfg.rope_dim, 2, dtype=torch.float64) / cfg.rope_dim))
             angles = (torch.arange(n, dtype=torch.float64) / cfg.rope_scale)[:, None] * inv / self.rope_freqs.double()
             self._rope_table = (angles.cos().float(), angles.sin().float())
-        cos, sin = (t.to(positions.device)[positions].unsqueeze(1) for t in self._rope_table)
+        return self._rope_table
+
+    def rope(self, positions: torch.Tensor, n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [G, 1, T, rope_dim / 2] of positions [G, T] (each < n_pos), on their device."""
+        cfg = self.cfg
+        if self.rope_freqs is None:
+            return rope_tables(positions, n_pos, cfg.rope_dim, cfg.rope_base, cfg.rope_scale)
+        cos, sin = (t.to(positions.device)[positions].unsqueeze(1) for t in self.rope_table(n_pos))
         return cos, sin
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
