@@ -168,3 +168,17 @@ def test_taps_live_with_the_session_whose_drafter_reads_them(tmp_path):
     assert ctx.taps == () and ctx.last_features is None
     generate(plain.generator(), PROMPTS[1], SamplingParams(temp=0.0), 12)
     assert ctx.n_tapped_rows == captured
+
+
+@pytest.mark.parametrize("dtype", ["f32", "q"])
+def test_taps_in_any_order_and_repeated_come_back_as_asked(paths, dtype):
+    """Transformer.forward_tapped with taps out of order and repeated (EAGLE-3's default layers of a shallow target
+    repeat one): each column is its layer's input, on the float path and the kernels' stack alike."""
+    lm = load_model(paths["q8_0" if dtype == "q" else "f32"], device="cpu", dtype=dtype)
+    tokens = PROMPTS[0]
+    kv = [scratch_kv(lm.config, 1, len(tokens), lm.model.dtype, d) for d in lm.model.layer_devices]
+    with torch.inference_mode():
+        _, out = lm.model.forward_tapped(torch.tensor([tokens]), causal_plan(1, len(tokens), lm.config,
+                                                                             torch.device("cpu")), kv, (3, 1, 1, 0))
+    ref = reference(lm, tokens, per_block=dtype == "q")  # columns of TAPS = (0, 1, 3)
+    assert torch.equal(out[0], ref[:, [2, 1, 1, 0]])
