@@ -60,7 +60,8 @@ def test_speculative_simple_with_the_trained_head_equals_plain(files):
     _, target, head, _ = files
     common = ["-m", str(target), "-p", PROMPT, "-n", "24", "--temp", "0", "--ignore-eos", "-t", "1", "--json"]
     plain = spec_cli("run", *common)
-    spec = spec_cli("speculative-simple", *common, "-md", str(head), "--draft-max", "3")  # type from the file
+    spec = spec_cli("speculative-simple", *common, "-md", str(head), "--draft-max", "3", "-devd", "cpu", "-ngld",
+                    "0")  # the type from the file; the head's device flags as llama.cpp's
     assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
     out = json.loads(spec.stdout)
     assert out["content"] == json.loads(plain.stdout)["content"]
