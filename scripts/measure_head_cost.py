@@ -21,7 +21,8 @@ import torch
 from spec_cli.model.batch import Batch
 from spec_cli.model.catalog import resolve_model
 from spec_cli.model.context import Context
-from spec_cli.model.eagle3_head import Eagle3Head, Eagle3Layout, load_eagle3_head, write_eagle3_gguf
+from spec_cli.model.eagle3_file import load_eagle3_head, write_eagle3_gguf
+from spec_cli.model.eagle3_head import Eagle3Head, Eagle3Layout
 from spec_cli.model.head_context import HeadContext
 from spec_cli.model.loader import load_model
 from spec_cli.train.eagle3 import default_layers, head_config

@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as T
 from spec_cli.errors import SpecCliError, UsageError
 from spec_cli.model.batch import Batch
 from spec_cli.model.context import Context
-from spec_cli.model.eagle3_head import load_eagle3_head
+from spec_cli.model.eagle3_file import load_eagle3_head
 from spec_cli.model.head_context import HeadContext
 from spec_cli.model.loader import load_model
 from spec_cli.model.sampling import SamplingParams

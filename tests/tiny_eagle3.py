@@ -8,7 +8,7 @@ undo nothing and still compute what the reference computes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,27 +42,16 @@ class TinyEagle3:
     norm_before_fc: bool = False
     target_embd: np.ndarray | None = None  # the target's embedding / output matrix where the head has none
     target_out: np.ndarray | None = None
-    extra: dict = field(default_factory=dict)
 
 
-def write_tiny_eagle3(path: Path, target_path: Path, layers=(1, 2, 3), seed: int = 0, n_draft: int | None = 120,
-                      own_embed: bool = False, norm_before_residual: bool = False, norm_before_fc: bool = False,
-                      pr_branch: bool = False, target_hidden: int = H, qtype=GGMLQuantizationType.F32) -> TinyEagle3:
-    """A random head for the tiny target at `target_path`. `n_draft`: an own output over that many draft tokens
-    (d2t: a random sorted subset of the vocabulary), None = the target's output matrix. `pr_branch`: the early PR
-    branches' names (extract_layers, blk.0.hidden_norm, d2t as offsets)."""
-    from spec_cli.model.gguf_file import GGUFFile
-    from spec_cli.model.quants import load_tensor
-
-    rng = np.random.default_rng(seed)
-    vocab = tiny_bpe_metadata()
-    V = len(vocab["tokenizer.ggml.tokens"])
-    tgt = GGUFFile(target_path)
-    read = lambda name: load_tensor(tgt, name).numpy()  # noqa: E731
+def hf_weights(rng: np.random.Generator, V: int, target_hidden: int, n_draft: int | None, own_embed: bool,
+               norm_before_fc: bool) -> tuple[dict[str, np.ndarray], list[int] | None]:
+    """Random Hugging Face-layout weights of a head and its d2t (a random sorted subset of the vocabulary)."""
     w = lambda *shape: (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)  # noqa: E731
     norm = lambda n: (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)  # noqa: E731
     hf = {"fc": w(H, 3 * target_hidden), "input_layernorm": norm(H), "hidden_norm": norm(H),
-          "q_proj": w(N_HEAD * HEAD_DIM, 2 * H), "k_proj": w(N_KV * HEAD_DIM, 2 * H), "v_proj": w(N_KV * HEAD_DIM, 2 * H),
+          "q_proj": w(N_HEAD * HEAD_DIM, 2 * H), "k_proj": w(N_KV * HEAD_DIM, 2 * H),
+          "v_proj": w(N_KV * HEAD_DIM, 2 * H),
           "o_proj": w(H, N_HEAD * HEAD_DIM), "post_attention_layernorm": norm(H), "gate_proj": w(N_FF, H),
           "up_proj": w(N_FF, H), "down_proj": w(H, N_FF), "norm": norm(H)}
     if norm_before_fc:
@@ -73,26 +62,49 @@ def write_tiny_eagle3(path: Path, target_path: Path, layers=(1, 2, 3), seed: int
         hf["lm_head"] = 4.0 * w(n_draft, H)
     if own_embed:
         hf["embed_tokens"] = rng.standard_normal((V, H)).astype(np.float32)
+    return hf, d2t
+
+
+def write_tiny_eagle3(path: Path, target_path: Path, layers=(1, 2, 3), seed: int = 0, n_draft: int | None = 120,
+                      own_embed: bool = False, norm_before_residual: bool = False, norm_before_fc: bool = False,
+                      pr_branch: bool = False, target_hidden: int = H, qtype=GGMLQuantizationType.F32) -> TinyEagle3:
+    """A random head for the tiny target at `target_path`. `n_draft`: an own output over that many draft tokens,
+    None = the target's output matrix. `pr_branch`: the early PR branches' names (extract_layers,
+    blk.0.hidden_norm, d2t as offsets)."""
+    from spec_cli.model.gguf_file import GGUFFile
+    from spec_cli.model.quants import load_tensor
+
+    vocab = tiny_bpe_metadata()
+    hf, d2t = hf_weights(np.random.default_rng(seed), len(vocab["tokenizer.ggml.tokens"]), target_hidden, n_draft,
+                         own_embed, norm_before_fc)
     writer = GGUFWriter(str(path), "eagle3")
-    writer.add_uint32("eagle3.block_count", 1)
-    writer.add_uint32("eagle3.context_length", 512)
-    writer.add_uint32("eagle3.embedding_length", H)
-    writer.add_uint32("eagle3.feed_forward_length", N_FF)
-    writer.add_uint32("eagle3.attention.head_count", N_HEAD)
-    writer.add_uint32("eagle3.attention.head_count_kv", N_KV)
-    writer.add_uint32("eagle3.attention.key_length", HEAD_DIM)
-    writer.add_uint32("eagle3.attention.value_length", HEAD_DIM)
+    for key, value in (("block_count", 1), ("context_length", 512), ("embedding_length", H),
+                       ("feed_forward_length", N_FF), ("attention.head_count", N_HEAD),
+                       ("attention.head_count_kv", N_KV), ("attention.key_length", HEAD_DIM),
+                       ("attention.value_length", HEAD_DIM), ("vocab_size", len(vocab["tokenizer.ggml.tokens"])),
+                       ("target_hidden_size", target_hidden)):
+        writer.add_uint32(f"eagle3.{key}", value)
     writer.add_float32("eagle3.attention.layer_norm_rms_epsilon", EPS)
     writer.add_float32("eagle3.rope.freq_base", ROPE_BASE)
-    writer.add_uint32("eagle3.vocab_size", V)
     writer.add_array("eagle3.extract_layers" if pr_branch else "eagle3.target_layers", list(layers))
-    writer.add_uint32("eagle3.target_hidden_size", target_hidden)
-    if norm_before_residual:
-        writer.add_bool("eagle3.norm_before_residual", True)
-    if norm_before_fc:
-        writer.add_bool("eagle3.norm_before_fc", True)
+    for flag, on in (("norm_before_residual", norm_before_residual), ("norm_before_fc", norm_before_fc)):
+        if on:
+            writer.add_bool(f"eagle3.{flag}", True)
     add_metadata(writer, vocab)
+    _add_tensors(writer, hf, d2t, pr_branch, qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tgt = GGUFFile(target_path)
+    read = lambda name: load_tensor(tgt, name).numpy()  # noqa: E731
+    return TinyEagle3(Path(path), tuple(layers), hf, d2t, norm_before_residual, norm_before_fc,
+                      read("token_embd.weight"), read("output.weight"))
 
+
+def _add_tensors(writer: GGUFWriter, hf: dict[str, np.ndarray], d2t: list[int] | None, pr_branch: bool,
+                 qtype) -> None:
+    """The head's tensors under llama.cpp's eagle3 names, q and k rows permuted for its interleaved rope."""
     def add(name: str, arr: np.ndarray) -> None:
         if qtype != GGMLQuantizationType.F32 and arr.ndim == 2:
             from gguf import quants
@@ -101,32 +113,21 @@ def write_tiny_eagle3(path: Path, target_path: Path, layers=(1, 2, 3), seed: int
         else:
             writer.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
 
-    add("fc.weight", hf["fc"])
-    if norm_before_fc:
-        add("enc.output_norm.weight", hf["fc_norm"])
-    add("blk.0.attn_norm.weight", hf["input_layernorm"])
-    add("blk.0.hidden_norm.weight" if pr_branch else "blk.0.attn_norm_2.weight", hf["hidden_norm"])
+    for name, key in (("fc.weight", "fc"), ("enc.output_norm.weight", "fc_norm"),
+                      ("blk.0.attn_norm.weight", "input_layernorm"),
+                      ("blk.0.hidden_norm.weight" if pr_branch else "blk.0.attn_norm_2.weight", "hidden_norm"),
+                      ("blk.0.attn_v.weight", "v_proj"), ("blk.0.attn_output.weight", "o_proj"),
+                      ("blk.0.ffn_norm.weight", "post_attention_layernorm"), ("blk.0.ffn_gate.weight", "gate_proj"),
+                      ("blk.0.ffn_up.weight", "up_proj"), ("blk.0.ffn_down.weight", "down_proj"),
+                      ("output_norm.weight", "norm"), ("output.weight", "lm_head"),
+                      ("token_embd.weight", "embed_tokens")):
+        if key in hf:
+            add(name, hf[key])
     add("blk.0.attn_q.weight", to_interleaved(hf["q_proj"], N_HEAD))
     add("blk.0.attn_k.weight", to_interleaved(hf["k_proj"], N_KV))
-    add("blk.0.attn_v.weight", hf["v_proj"])
-    add("blk.0.attn_output.weight", hf["o_proj"])
-    add("blk.0.ffn_norm.weight", hf["post_attention_layernorm"])
-    add("blk.0.ffn_gate.weight", hf["gate_proj"])
-    add("blk.0.ffn_up.weight", hf["up_proj"])
-    add("blk.0.ffn_down.weight", hf["down_proj"])
-    add("output_norm.weight", hf["norm"])
-    if n_draft is not None:
-        add("output.weight", hf["lm_head"])
-        stored = np.array(d2t, dtype=np.int64) - (np.arange(n_draft) if pr_branch else 0)
+    if d2t is not None:
+        stored = np.array(d2t, dtype=np.int64) - (np.arange(len(d2t)) if pr_branch else 0)
         writer.add_tensor("d2t", stored, raw_dtype=GGMLQuantizationType.I64)
-    if own_embed:
-        add("token_embd.weight", hf["embed_tokens"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return TinyEagle3(Path(path), tuple(layers), hf, d2t, norm_before_residual, norm_before_fc,
-                      read("token_embd.weight"), read("output.weight"))
 
 
 def _rms(x: torch.Tensor, w: np.ndarray) -> torch.Tensor:

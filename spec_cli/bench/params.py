@@ -22,10 +22,11 @@ from __future__ import annotations
 import itertools
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from spec_cli.bench import DRAFT_MODEL_FIELDS, NGRAM_FIELDS, SWEPT_CASE_FIELDS
 from spec_cli.errors import UsageError
-from spec_cli.model.catalog import registry_entry, resolve_model
+from spec_cli.model.catalog import registry_entry
 from spec_cli.model.compiled import check_mode
 from spec_cli.options import BENCH_OPTIONS, DEFAULT_GPU_LAYERS, parse_gpu_layers
 from spec_cli.runtime.draft_files import draft_kind
@@ -330,6 +331,12 @@ def _spec_tests(p: BenchParams, model: str) -> list[Test]:
     return tests
 
 
+def _md_kind(md: str) -> str:
+    """The spec type -md drafts with: its file's kind (a models.toml name is a draft model; a missing file is
+    reported when the run loads it)."""
+    return draft_kind(md) if Path(md).is_file() else "draft-simple"
+
+
 def _listed_draft(model: str) -> list[str]:
     """draft-simple without -md drafts with the model's models.toml `draft`, as in every command."""
     entry = registry_entry(model or None)
@@ -347,7 +354,7 @@ def from_flags(flags: dict) -> BenchParams:
     spec_type = parse_spec_chains(flags.get("spec_type"))
     model_draft = parse_str_list(flags.get("model_draft"), [])
     if model_draft and not spec_type:  # -md alone drafts with its file's kind, as in every other command
-        spec_type = sorted({draft_kind(resolve_model(md)) for md in model_draft})
+        spec_type = sorted({_md_kind(md) for md in model_draft})
     prompt_sets = parse_str_list(flags.get("prompt_set"), []) + list(flags.get("prompts") or [])
     speculative = bool(spec_type or prompt_sets)
     d = BenchParams()

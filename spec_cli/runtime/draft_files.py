@@ -11,7 +11,8 @@ import torch
 
 from spec_cli.errors import SpecCliError, UsageError
 from spec_cli.model.config import ModelConfig
-from spec_cli.model.eagle3_head import Eagle3Head, is_eagle3, load_eagle3_head
+from spec_cli.model.eagle3_file import is_eagle3, load_eagle3_head
+from spec_cli.model.eagle3_head import Eagle3Head
 from spec_cli.model.gguf_file import GGUFFile
 from spec_cli.model.loader import LoadedModel, parse_device
 from spec_cli.model.mtp_head import MTPHead, load_mtp_head

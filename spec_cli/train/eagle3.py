@@ -32,7 +32,8 @@ import torch.nn.functional as F
 
 from spec_cli.errors import SpecCliError
 from spec_cli.model.config import ModelConfig
-from spec_cli.model.eagle3_head import Eagle3Head, Eagle3Layout, write_eagle3_gguf
+from spec_cli.model.eagle3_file import write_eagle3_gguf
+from spec_cli.model.eagle3_head import Eagle3Head, Eagle3Layout
 from spec_cli.model.loader import LoadedModel
 from spec_cli.model.quants import load_tensor
 from spec_cli.model.transformer import apply_rope
