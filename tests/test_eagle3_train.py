@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 from gguf import GGUFReader, quants
 
 from spec_cli.model.loader import load_model
@@ -156,3 +157,28 @@ def test_training_requests_are_not_the_built_in_prompt_sets():
     assert not any(r in text or text in r for r in requests for text in builtin)
     held = [r for r in requests if is_held_out(r)]
     assert 0.05 < len(held) / len(requests) < 0.2
+
+
+def test_the_training_time_test_computes_the_draft_recursion(target_path, trained):
+    """ttt_states' step j for anchor a (attending to the real rows up to a and the anchor's own earlier steps) is
+    the draft loop's j-th row: the reference run over the committed rows, then rows fed the state before them."""
+    from spec_cli.model.eagle3_file import load_eagle3_head
+    from spec_cli.train.eagle3 import ttt_states
+    from tests.test_eagle3 import target_features
+    from tests.tiny_eagle3 import reference_fuse, reference_rows
+
+    path = trained[0]
+    tiny = read_back(path, target_path)
+    lm = load_model(target_path, device="cpu", dtype="f32")
+    head = load_eagle3_head(path, lm)  # float weights (the target's are): the head trains on these
+    tokens = training_prompts(target_path, 1)[0] + [40, 41, 42, 43, 44, 45]
+    g = reference_fuse(tiny, target_features(lm, tiny.layers, tokens))
+    with torch.no_grad():
+        states = ttt_states(head, torch.tensor([tokens]), head.fuse(target_features(lm, tiny.layers, tokens))[None], 3)
+    for a in (3, len(tokens) - 5):
+        rows, feed = tokens[1 : a + 2], list(g[: a + 1])  # committed rows and the seed row (x_{t+1}, g_t), t <= a
+        for j in range(3):
+            h, _ = reference_rows(tiny, rows, torch.stack(feed))
+            torch.testing.assert_close(states[j][0, a], h[-1], rtol=2e-3, atol=2e-3)
+            rows.append(tokens[a + j + 2])
+            feed.append(h[-1])

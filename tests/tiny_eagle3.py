@@ -131,7 +131,7 @@ def _add_tensors(writer: GGUFWriter, hf: dict[str, np.ndarray], d2t: list[int] |
 
 
 def _rms(x: torch.Tensor, w: np.ndarray) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * torch.from_numpy(w)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * torch.tensor(w)
 
 
 def _rope_half(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -149,9 +149,9 @@ def reference_rows(head: TinyEagle3, tokens: list[int], g: torch.Tensor) -> tupl
     (pre-norm states [T, H], logits over the target vocabulary [T, V], -inf outside the draft vocabulary)."""
     hf = head.hf
     T_ = len(tokens)
-    t = lambda k: torch.from_numpy(hf[k])  # noqa: E731
+    t = lambda k: torch.tensor(hf[k])  # noqa: E731
     embd = hf.get("embed_tokens", head.target_embd)
-    e = _rms(torch.from_numpy(embd)[tokens], hf["input_layernorm"])
+    e = _rms(torch.tensor(embd)[tokens], hf["input_layernorm"])
     gn = _rms(g, hf["hidden_norm"])
     a = torch.cat((e, gn), -1)
     pos = torch.arange(T_)
@@ -165,7 +165,7 @@ def reference_rows(head: TinyEagle3, tokens: list[int], g: torch.Tensor) -> tupl
     h2 = h1 + (F.silu(x @ t("gate_proj").T) * (x @ t("up_proj").T)) @ t("down_proj").T
     normed = _rms(h2, hf["norm"])
     if head.d2t is None:
-        return h2, normed @ torch.from_numpy(head.target_out).T
+        return h2, normed @ torch.tensor(head.target_out).T
     logits = torch.full((T_, head.target_out.shape[0]), float("-inf"))
     logits[:, head.d2t] = normed @ t("lm_head").T
     return h2, logits
@@ -176,4 +176,4 @@ def reference_fuse(head: TinyEagle3, features: torch.Tensor) -> torch.Tensor:
     x = features.reshape(features.shape[0], -1)
     if head.norm_before_fc:
         x = _rms(x, head.hf["fc_norm"])
-    return x @ torch.from_numpy(head.hf["fc"]).T
+    return x @ torch.tensor(head.hf["fc"]).T
