@@ -7,6 +7,7 @@ errors."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -22,7 +23,7 @@ from spec_cli.runtime.engine import EngineOptions
 from spec_cli.runtime.session import open_session
 from spec_cli.speculative.base import DraftParams, SpecParams
 from tests.draft_recorder import record_drafts
-from tests.tiny_eagle3 import reference_fuse, reference_rows, write_tiny_eagle3
+from tests.tiny_eagle3 import reference_fuse, reference_rows, rewritten, write_tiny_eagle3
 from tests.tiny_gguf import write_tiny_gguf
 
 GREEDY = SamplingParams(temp=0.0, ignore_eos=True)  # outputs of N_PREDICT tokens whatever the tiny model says
@@ -238,6 +239,10 @@ def test_a_head_for_another_target_is_a_clear_error(tmp_path, target_path):
     with pytest.raises(SpecCliError, match="target layers"):
         make_session(target_path, deep.path)
     with pytest.raises(SpecCliError, match="not an EAGLE-3 draft"):
-        make_session(target_path, target_path)
+        load_eagle3_head(target_path, load_model(target_path, device="cpu"))
+    ok = write_tiny_eagle3(tmp_path / "ok.gguf", target_path).path
+    misshapen = rewritten(ok, tmp_path / "misshapen.gguf", arrays={"blk.0.ffn_up.weight": np.zeros((50, 64))})
+    with pytest.raises(SpecCliError, match="ffn.w_up has shape \\[50, 64\\], \\[96, 64\\] expected"):
+        load_eagle3_head(misshapen, load_model(target_path, device="cpu"))
     with pytest.raises(UsageError, match="needs an EAGLE-3 draft"):
         make_session(target_path, None)

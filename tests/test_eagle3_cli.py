@@ -20,7 +20,7 @@ from spec_cli.runtime.engine import EngineOptions, implied_spec
 from spec_cli.speculative.base import SpecParams
 from tests.server_harness import LiveServer, greedy_reference
 from tests.server_harness import make_session as server_session
-from tests.tiny_eagle3 import write_tiny_eagle3
+from tests.tiny_eagle3 import rewritten, write_tiny_eagle3
 from tests.tiny_gguf import write_tiny_gguf
 from tests.tiny_mtp import write_tiny_mtp_gguf
 
@@ -111,19 +111,7 @@ def test_bad_heads_and_tp_are_one_line_errors(files, tmp_path):
     d, target, head, _ = files
     wide = write_tiny_gguf(tmp_path / "wide.gguf", seed=1, n_layer=4, dims={"n_embd": 128, "n_ff": 128})
     foreign = write_tiny_eagle3(tmp_path / "foreign.gguf", wide, target_hidden=128).path
-    broken = tmp_path / "broken.gguf"  # an eagle3 file without its fc
-    reader = GGUFReader(str(head))
-    writer = GGUFWriter(str(broken), "eagle3")
-    from spec_cli.model.gguf_file import copy_fields
-
-    copy_fields(reader, writer, lambda key: True)
-    for t in reader.tensors:
-        if t.name != "fc.weight":
-            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    broken = rewritten(head, tmp_path / "broken.gguf", drop=("fc.weight",))  # an eagle3 file without its fc
     gen = ["speculative-simple", "-m", str(target), "-p", PROMPT, "-n", "4", "--temp", "0", "-t", "1"]
     for args, code, text in (
             ([*gen, "-md", str(foreign)], 1, "hidden size 128"),

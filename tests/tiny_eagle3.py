@@ -177,3 +177,24 @@ def reference_fuse(head: TinyEagle3, features: torch.Tensor) -> torch.Tensor:
     if head.norm_before_fc:
         x = _rms(x, head.hf["fc_norm"])
     return x @ torch.tensor(head.hf["fc"]).T
+
+
+def rewritten(src: Path, dst: Path, drop: tuple[str, ...] = (), arrays: dict[str, np.ndarray] | None = None) -> Path:
+    """A copy of a GGUF file without the tensors `drop` and with `arrays` in place of (or besides) its tensors."""
+    from gguf import GGUFReader
+
+    from spec_cli.model.gguf_file import copy_fields
+
+    reader, arrays = GGUFReader(str(src)), arrays or {}
+    writer = GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    copy_fields(reader, writer, lambda key: True)
+    for t in reader.tensors:
+        if t.name not in drop and t.name not in arrays:
+            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    for name, arr in arrays.items():
+        writer.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(dst)

@@ -131,7 +131,8 @@ def check_target(name: str, cfg: ModelConfig, layout: Eagle3Layout, tcfg: ModelC
         raise SpecCliError(f"{name}: uses the target's {' and '.join(shared)} but its hidden size {cfg.n_embd} is "
                            f"not the target's {tcfg.n_embd}")
     vocab = gf.get(f"{ARCH}.vocab_size")
-    if vocab is not None and int(vocab) != tcfg.n_vocab:
+    draft_rows = gf.tensors["output.weight"].shape[0] if "output.weight" in gf.tensors else None
+    if vocab is not None and int(vocab) not in (tcfg.n_vocab, draft_rows):  # some converters write the draft's
         raise SpecCliError(f"{name}: made for a vocabulary of {vocab} tokens; this target has {tcfg.n_vocab}")
 
 
