@@ -1,8 +1,7 @@
 """Training data of `spec-cli draft-train` (cli/draft_train.py), read at run time, nothing downloaded: the Python
 standard library's sources and its docs (pydoc_data.topics), cut into token windows, and the target's own greedy
-answers to requests about snippets of it. Files are split by a hash of their name: held-out files are never trained on, and
-the acceptance estimate is measured on them; the standard-library files the built-in prompt sets quote are left
-out.
+answers to requests. Files are split by a hash of their name: held-out files are never trained on, and the acceptance
+estimate is measured on them; the standard-library files the built-in prompt sets quote are left out.
 """
 
 from __future__ import annotations
