@@ -30,6 +30,7 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
 class DecodeOutput:
     logits: torch.Tensor  # [n_rows_with_logits_flag, n_vocab] float32, in batch order
     hidden: torch.Tensor | None  # [n_rows, n_embd] pre-final-norm hidden state of every row, in batch order
+    features: torch.Tensor | None = None  # [n_rows, len(taps), n_embd] the tapped layers' inputs (Context.taps)
 
 
 class Context:
@@ -63,8 +64,11 @@ class Context:
         if compile != "off":
             self._init_compiled(compile)
         self.n_decode = 0  # number of decode calls (llama.cpp's n_eval/n_decode_total)
-        self.capture_hidden = False  # keep every decode's hidden states in `last_hidden` (for MTP drafters)
-        self.last_hidden: torch.Tensor | None = None  # [n_rows, n_embd] of the last decode, batch order
+        # Target features on request (set_taps): the layers whose inputs every decode returns for every row, what
+        # the last decode returned, and how many rows were captured in all (none unless a drafter asked)
+        self.taps: tuple[int, ...] = ()
+        self.last_features: torch.Tensor | None = None  # [n_rows, len(taps), n_embd] of the last decode
+        self.n_tapped_rows = 0
 
     def _init_compiled(self, mode: str) -> None:
         from spec_cli.model import compiled
@@ -114,37 +118,61 @@ class Context:
     def clear(self) -> None:
         self.lengths = [0] * self.n_seq
 
+    # --- target features on request --------------------------------------------------------------------------
+
+    def set_taps(self, layers) -> None:
+        """Capture the input of these layers (ids in [0, n_layer]; n_layer = the final pre-norm state) for every row
+        of every decode from now on, in `DecodeOutput.features` and `last_features`; none (the default) captures
+        and costs nothing."""
+        n_layer = self.config.n_layer_main
+        taps = tuple(sorted(set(layers)))
+        if any(not 0 <= layer <= n_layer for layer in taps):
+            raise SpecCliError(f"target layers {list(taps)} asked for: {self.loaded.gguf.path.name} has layers "
+                               f"0..{n_layer - 1} (and {n_layer}: the final state)")
+        self.taps = taps
+        self.last_features = None
+
+    def features_of(self, layers: tuple[int, ...]) -> torch.Tensor:
+        """The last decode's features of `layers` (each tapped): [n_rows, len(layers), n_embd], batch order."""
+        if self.last_features is None or any(layer not in self.taps for layer in layers):
+            raise SpecCliError(f"the target's layers {list(layers)} were not captured (Context.set_taps)")
+        if layers == self.taps:
+            return self.last_features
+        return self.last_features[:, [self.taps.index(layer) for layer in layers]]
+
     # --- decode ------------------------------------------------------------------------------------------
 
     def decode(self, batch: Batch, hidden: bool = False,
                head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> DecodeOutput:
         """One forward over the batch (split into ubatches of n_ubatch rows). Hidden states of every row come
-        back when `hidden` is set, and are kept in `last_hidden` when `capture_hidden` is set. `head` maps the
+        back when `hidden` is set; the tapped layers' inputs (set_taps) whenever there are taps. `head` maps the
         flagged rows' pre-norm hidden states [n, D] to their logits instead of the model's output layer (a draft
         vocabulary's rows)."""
-        hidden = hidden or self.capture_hidden
         if len(batch) == 0:
             raise SpecCliError("decode of an empty batch")
         if len(batch) > self.n_batch:
             raise SpecCliError(f"batch of {len(batch)} rows exceeds n_batch {self.n_batch}")
         self._check(batch)
-        logits, hiddens = [], []
+        logits, hiddens, features = [], [], []
         for start in range(0, len(batch), self.n_ubatch):
             rows = range(start, min(start + self.n_ubatch, len(batch)))
-            h, graph_logits = self._decode_ubatch(batch, rows, head is None)  # [len(rows), D]
+            h, graph_logits, feats = self._decode_ubatch(batch, rows, head is None)  # [len(rows), D]
             flags = [i - start for i in rows if batch.logits[i]]
             if flags:
                 logits.append(graph_logits if graph_logits is not None else (head or self.model.logits)(h[flags]))
             if hidden:
                 hiddens.append(h)
+            if feats is not None:
+                features.append(feats)
         self.n_decode += 1
         if logits:
             out_logits = _joined(logits)
         else:
             out_logits = torch.empty(0, self.config.n_vocab, device=self.device)
-        out = DecodeOutput(out_logits, _joined(hiddens) if hidden else None)
-        if self.capture_hidden:
-            self.last_hidden = out.hidden
+        out = DecodeOutput(out_logits, _joined(hiddens) if hidden else None, _joined(features) if features else None)
+        if self.taps:
+            self.last_features = out.features
+            self.n_tapped_rows += len(batch)
         return out
 
     def _check(self, batch: Batch) -> None:
@@ -161,9 +189,10 @@ class Context:
             expected[seq] += 1
 
     def _decode_ubatch(self, batch: Batch, rows: range,
-                       with_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> hidden states of `rows` [n, D] in batch order, and the flagged rows' logits where a CUDA graph
-        computed them (`with_logits`: the model's own output head), else None (decode applies the head)."""
+                       with_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """-> hidden states of `rows` [n, D] in batch order, the flagged rows' logits where a CUDA graph computed
+        them (`with_logits`: the model's own output head), else None (decode applies the head), and the rows'
+        features [n, len(taps), D] (None without taps)."""
         # group rows per sequence, padded to T rows each: tokens/positions [G, T]
         groups: dict[int, list[int]] = {}
         for i in rows:
@@ -211,11 +240,14 @@ class Context:
         kv_seqs = slice(seqs[0], seqs[0] + len(seqs)) if contiguous else seqs_t
         plan = self.forward_plan(pos_t.view(G, T), rows_t, seq_t, wpos_t, kv_seqs, n_kv)
         with torch.inference_mode():
-            if step is not None:
-                hidden = self.model.forward_hidden(tokens_t.view(G, T), plan, self.kv, step=step)
-            else:  # every model's forward_hidden, the MTP head's runner included (it is never compiled)
-                hidden = self.model.forward_hidden(tokens_t.view(G, T), plan, self.kv)  # [G, T, D]
-        return hidden.reshape(G * T, -1)[order_t.to(hidden.device)], None
+            if step is None and not self.taps:  # every model's, the draft heads' runners included (never compiled)
+                hidden, feats = self.model.forward_hidden(tokens_t.view(G, T), plan, self.kv), None  # [G, T, D]
+            else:
+                hidden, feats = self.model.forward_tapped(tokens_t.view(G, T), plan, self.kv, self.taps, step=step)
+        order_t = order_t.to(hidden.device)
+        if feats is not None:
+            feats = feats.reshape(G * T, len(self.taps), -1)[order_t]
+        return hidden.reshape(G * T, -1)[order_t], None, feats
 
     def forward_plan(self, pos: torch.Tensor, write_rows: torch.Tensor, write_seq: torch.Tensor,
                      write_pos: torch.Tensor, kv_seqs: slice | torch.Tensor, n_kv: int) -> ForwardPlan:

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import torch
 
-from spec_cli.errors import SpecCliError, UsageError
+from spec_cli.errors import UsageError
 from spec_cli.model.context import Context
+from spec_cli.model.head_context import HeadContext
 from spec_cli.model.loader import LoadedModel, load_model
-from spec_cli.model.mtp_head import MTPContext, load_mtp_head
 from spec_cli.options import DEFAULT_GPU_LAYERS, default
+from spec_cli.runtime.draft_files import draft_kind, head_device, load_eagle3, load_mtp, md_type
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.draft_model import check_vocab_compatible
 from spec_cli.speculative.verify_costs import CostModel
@@ -51,7 +52,8 @@ class Engine:
     ctx: Context
     draft: LoadedModel | None = None
     draft_ctx: Context | None = None
-    mtp_ctx: MTPContext | None = None  # the target's NextN head with its own KV (draft-mtp)
+    mtp_ctx: HeadContext | None = None  # the target's NextN head with its own KV (draft-mtp)
+    eagle3_ctx: HeadContext | None = None  # the EAGLE-3 head of -md with its own KV (draft-eagle3)
     costs: CostModel = field(default_factory=CostModel)  # --draft-max auto: the target's verify cost, calibrated once
 
     @property
@@ -61,7 +63,7 @@ class Engine:
     @property
     def contexts(self) -> list[Context]:
         """Every KV cache the engine holds."""
-        return [ctx for ctx in (self.ctx, self.draft_ctx, self.mtp_ctx) if ctx is not None]
+        return [ctx for ctx in (self.ctx, self.draft_ctx, self.mtp_ctx, self.eagle3_ctx) if ctx is not None]
 
 
 def resolve(value: str | None) -> Path:
@@ -78,12 +80,18 @@ def verify_cost_cache() -> Path:
 
 
 def implied_spec(opts: EngineOptions) -> SpecParams:
-    """The speculation settings the options amount to: -md alone enables draft-simple (llama.cpp #25345)."""
+    """The speculation settings the options amount to: -md adds the spec type of its file's kind (draft-simple for
+    a model, as -md alone did in llama.cpp #25345; draft-eagle3 for an eagle3 file; draft-mtp for a model with NextN
+    layers, llama.cpp #26814)."""
     spec = opts.spec
-    if opts.model_draft and "draft-simple" not in spec.types:
-        spec = replace(spec, types=[*spec.types, "draft-simple"])
-    if "draft-simple" in spec.types and not opts.model_draft:
+    if opts.model_draft:
+        kind = md_type(spec.types, resolve(opts.model_draft))
+        if kind not in spec.types:
+            spec = replace(spec, types=[*spec.types, kind])
+    elif "draft-simple" in spec.types:
         raise UsageError("--spec-type draft-simple needs a draft model (-md FILE|NAME)")
+    elif "draft-eagle3" in spec.types:
+        raise UsageError("--spec-type draft-eagle3 needs an EAGLE-3 draft (-md FILE, e.g. from spec-cli draft-train)")
     return spec
 
 
@@ -112,8 +120,10 @@ def load_target(opts: EngineOptions) -> LoadedModel:
         return load_model(resolve(opts.model), opts.device, opts.n_gpu_layers, opts.dtype)
     if opts.n_gpu_layers != DEFAULT_GPU_LAYERS:
         raise UsageError("-tp puts every block on its rank's device: -ngl cannot be combined with it")
-    if "draft-mtp" in opts.spec.types:
-        raise UsageError("--spec-type draft-mtp reads the target's NextN head, which -tp does not shard")
+    for kind in ("draft-mtp", "draft-eagle3"):
+        if kind in opts.spec.types:
+            raise UsageError(f"--spec-type {kind} reads the target's hidden states, which -tp's shards do not "
+                             "return")
     return tensor_parallel.load_target(resolve(opts.model), opts.device, opts.dtype, opts.tensor_parallel,
                                        opts.threads)
 
@@ -126,14 +136,18 @@ def assemble_engine(opts: EngineOptions, target: LoadedModel, tokenizer: Tokeniz
     ctx = context_class(target)(target, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch, compile=opts.compile)
     # the draft context has the target's n_ctx (a smaller one crashed llama.cpp, #22554)
     draft_ctx = Context(draft, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch, compile=opts.compile) if draft else None
-    mtp_ctx = None
+    mtp_ctx = eagle3_ctx = None
+    md = resolve(opts.model_draft) if opts.model_draft else None
     if "draft-mtp" in opts.spec.types:
-        head = load_mtp_head(target)
-        if head is None:
-            raise SpecCliError("--spec-type draft-mtp needs a model with an MTP (NextN) head; this model has none "
-                               "(spec-cli mtp-train can distill one)")
-        mtp_ctx = MTPContext(head, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
-    return Engine(target, tokenizer, ctx, draft, draft_ctx, mtp_ctx, CostModel(verify_cost_cache()))
+        head = load_mtp(md if md and draft_kind(md) == "draft-mtp" else None, target)
+        mtp_ctx = HeadContext(head, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
+    if "draft-eagle3" in opts.spec.types:
+        if md is None:
+            raise UsageError("--spec-type draft-eagle3 needs an EAGLE-3 draft (-md FILE, e.g. from spec-cli "
+                             "draft-train)")
+        head = load_eagle3(md, target, tokenizer, head_device(opts.device, opts.device_draft, opts.n_gpu_layers_draft))
+        eagle3_ctx = HeadContext(head, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
+    return Engine(target, tokenizer, ctx, draft, draft_ctx, mtp_ctx, eagle3_ctx, CostModel(verify_cost_cache()))
 
 
 def context_class(loaded: LoadedModel) -> type[Context]:

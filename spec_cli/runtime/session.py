@@ -6,7 +6,7 @@
 
 A session owns what a configuration changes: the drafters the registry builds for its spec types (fresh, with
 empty n-gram state), the adaptive planner for --draft-max auto, and whether the target keeps its hidden states
-for a drafter that reads them (draft-mtp). Sessions share their engine's KV caches, so one lives at a time; other
+for the drafters that read them (draft-mtp, draft-eagle3). Sessions share their engine's KV caches, so one lives at a time; other
 settings mean a new session (`renew`), never an assignment into the engine.
 """
 
@@ -28,8 +28,8 @@ class Session:
     def __init__(self, engine: Engine, spec: SpecParams):
         self.engine, self.spec = engine, spec
         self.chain = build_chain(engine, spec)
-        # set either way, so a capture an earlier session's draft-mtp turned on does not outlive it
-        engine.ctx.capture_hidden = self.chain is not None and any(d.reads_target_hidden for d in self.chain.drafters)
+        # set either way, so features an earlier session's drafters asked for are not captured past it
+        engine.ctx.set_taps(layer for d in (self.chain.drafters if self.chain else []) for layer in d.target_layers())
 
     @property
     def types(self) -> list[str]:
@@ -80,9 +80,8 @@ class Session:
         return fresh
 
     def close(self) -> None:
-        """Stop the target keeping hidden states for this session's drafters."""
-        self.engine.ctx.capture_hidden = False
-        self.engine.ctx.last_hidden = None
+        """Stop the target capturing features for this session's drafters."""
+        self.engine.ctx.set_taps(())
 
 
 def open_session(opts: EngineOptions) -> Session:
@@ -95,7 +94,8 @@ def build_chain(engine: Engine, spec: SpecParams) -> Chain | None:
     """Fresh drafters (empty n-gram state, cleared draft caches) for the spec types, in the registry's priority
     order; with --draft-max auto, a fresh planner for them on the engine's cost model."""
     n_seq = engine.ctx.n_seq
-    drafters = build_drafters(spec.types, DrafterInputs(spec, n_seq, engine.ctx, engine.draft_ctx, engine.mtp_ctx))
+    drafters = build_drafters(spec.types, DrafterInputs(spec, n_seq, engine.ctx, engine.draft_ctx, engine.mtp_ctx,
+                                                            engine.eagle3_ctx))
     if not drafters:
         return None
     return Chain(drafters, n_seq, Planner(engine.costs, spec.draft_max) if spec.adaptive else None, spec.select)

@@ -11,6 +11,7 @@ Lifecycle per sequence, as in llama.cpp's common/speculative.h:
   catch_up(params)          optional: called just before draft(params) and timed apart from it, for a drafter that
                             brings a lagging cache up to date (the adaptive planner prices drafted tokens by draft())
   min_length(p)             optional: the shortest draft worth verifying; a draft the chain cuts shorter is dropped
+  target_layers()           optional: the target layers whose inputs `process` reads (Context.features_of)
 `Drafter` declares every hook, the optional ones as no-ops; a drafter type is made known to `--spec-type` by
 `speculative.registry.register_drafter`. Drafters keep no statistics: the chain wraps every call with counters and
 timers.
@@ -85,9 +86,12 @@ class Drafter:
     # Drafting costs next to nothing (a lookup in the history). With --spec-select gain every cheap drafter proposes
     # and the best proposal wins; a drafter that pays a forward per drafted token is asked only where none proposed.
     cheap = True
-    # process() reads the target's hidden states of every decoded row (Context.last_hidden): the session keeps
-    # the target capturing them while a chain holding such a drafter lives (they cost memory otherwise)
-    reads_target_hidden = False
+
+    def target_layers(self) -> tuple[int, ...]:
+        """The target layers whose inputs process() reads for every decoded row (target features on request: id
+        n_layer is the final pre-norm state). The session has the target capture them while a chain holding this
+        drafter lives (Context.set_taps); none, the default, costs nothing."""
+        return ()
 
     def begin(self, seq: int, prompt: list[int]) -> None:
         pass

@@ -24,7 +24,7 @@ import torch
 from spec_cli.errors import SpecCliError
 from spec_cli.model.batch import Batch
 from spec_cli.model.context import Context
-from spec_cli.model.sampling import draw, filter_and_softmax
+from spec_cli.model.sampling import draft_generator, sample_restricted
 from spec_cli.speculative.base import Drafter, DraftParams, SpecParams, TargetCache
 from spec_cli.speculative.draft_vocab import DraftVocab
 
@@ -172,18 +172,9 @@ class DraftModelDrafter(Drafter):
     def _sample(self, seq: int, logits: torch.Tensor, sampling) -> tuple[int, torch.Tensor]:
         """One draft token drawn from q = the draft's distribution under the target's sampler chain."""
         if self.rng[seq] is None:
-            seed = sampling.seed + 1 if sampling.seed >= 0 else int(torch.randint(0, 2**62, ()))
-            self.rng[seq] = torch.Generator(device=logits.device).manual_seed(seed)
-        if self.vocab is not None:  # the draft vocabulary's logits in place, -inf elsewhere: q is 0 outside it
-            logits = torch.full((self.ctx.config.n_vocab,), float("-inf"), device=logits.device).index_copy_(
-                0, self.vocab.ids, logits.float())
-        probs, ids = filter_and_softmax(logits.float(), sampling)
-        q = torch.zeros_like(logits, dtype=torch.float32)
-        if ids is None:
-            q = probs
-        else:
-            q.scatter_(0, ids, probs)
-        return int(draw(q, self.rng[seq])), q
+            self.rng[seq] = draft_generator(sampling, logits.device)
+        ids = self.vocab.ids if self.vocab is not None else None
+        return sample_restricted(logits, ids, self.ctx.config.n_vocab, sampling, self.rng[seq])
 
     def min_length(self, p: DraftParams) -> int:
         return p.min_length(self.params)
