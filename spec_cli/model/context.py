@@ -207,16 +207,8 @@ class Context:
             from spec_cli.model.compiled import bucket
 
             G, T = bucket(G), bucket(T)
-        tokens, positions = [0] * (G * T), [0] * (G * T)  # [G, T] flat; padded rows: token 0 at position 0
-        flat_of_row = {}
-        write_rows, write_seq, write_pos = [], [], []
-        for g, seq in enumerate(seqs):
-            for t, i in enumerate(groups[seq]):
-                flat = flat_of_row[i] = g * T + t
-                tokens[flat], positions[flat] = batch.tokens[i], batch.pos[i]
-                write_rows.append(flat)
-                write_seq.append(seq)
-                write_pos.append(batch.pos[i])
+        tokens, positions, flat_of_row, writes = _grid(batch, groups, G, T)
+        write_rows, write_seq, write_pos = writes
         for seq in seqs:
             self.lengths[seq] += len(groups[seq])
         n_kv = max(self.lengths[s] for s in seqs)
@@ -266,3 +258,20 @@ class Context:
             mask_full=causal.unsqueeze(1),
             mask_swa=swa.unsqueeze(1) if swa is not None else None,
         )
+
+
+def _grid(batch: Batch, groups: dict[int, list[int]], G: int, T: int):
+    """The rows of `groups` (sequence -> its batch rows) laid out as [G, T], flat: -> (tokens, positions, the flat
+    index of each batch row, (flat rows, sequences, positions) of the KV writes). Padded cells hold token 0 at
+    position 0."""
+    tokens, positions = [0] * (G * T), [0] * (G * T)
+    flat_of_row: dict[int, int] = {}
+    write_rows, write_seq, write_pos = [], [], []
+    for g, (seq, rows) in enumerate(groups.items()):
+        for t, i in enumerate(rows):
+            flat = flat_of_row[i] = g * T + t
+            tokens[flat], positions[flat] = batch.tokens[i], batch.pos[i]
+            write_rows.append(flat)
+            write_seq.append(seq)
+            write_pos.append(batch.pos[i])
+    return tokens, positions, flat_of_row, (write_rows, write_seq, write_pos)
