@@ -141,15 +141,34 @@ def test_cost_online_update_is_a_mean_with_the_curve_until_it_is_an_ema():
     assert costs(2) == pytest.approx(2.1 + verify_costs.COST_EMA * 1.0)
 
 
-def test_unseen_rows_take_the_gap_at_the_nearest_observed_rows():
+def test_unseen_rows_move_with_the_nearest_observed_rows_by_the_lower_reading():
+    """Steps above the calibration by a fixed gap (what a bare forward does not see) move unseen row counts by
+    that gap, not in proportion; steps below it (a machine faster than when it was calibrated) move them in
+    proportion, not by the gap: each time the lower reading, interpolated between observed row counts."""
     costs = CostModel()
     costs.set_points({1: 1.0, 4: 1.3, 8: 2.1})
     assert costs(3) == pytest.approx(1.2)  # nothing observed: the curve
-    costs.observe(1, 1.4)  # 1.2: 0.2 above the curve
-    assert costs(3) == pytest.approx(1.2 + 0.2)  # beyond the observed rows: the nearest one's gap
-    costs.observe(4, 0.9)  # the mean of 1.5 (the curve moved by that gap) and 0.9: 0.1 below the curve
-    assert costs(2) == pytest.approx(1.1 + 0.2 - 0.3 / 3)  # between: interpolated
-    assert costs(8) == pytest.approx(2.1 - 0.1)
+    costs.observe(1, 1.4)  # 1.2: 0.2 (20 %) above the curve
+    assert costs(3) == pytest.approx(1.2 + 0.2)  # beyond the observed rows: the nearest one's gap (not 1.2 x 1.2)
+    costs.observe(4, 0.9)  # the mean of 1.5 (the curve moved by that gap) and 0.9: 1.2, 0.1 below the curve
+    assert costs(2) == pytest.approx(1.1 + 0.2 - 0.3 / 3)  # between: the gaps interpolated
+    assert costs(8) == pytest.approx(2.1 * 1.2 / 1.3)  # beyond: in proportion (the gap would read 2.0)
+
+
+def test_a_curve_calibrated_in_a_slower_phase_does_not_make_long_verifies_look_dear():
+    """A cached calibration taken when the machine ran at half today's speed (another phase, another load), steps
+    then observed at 1 and 3 rows only: a 17-row verify reads half its calibrated time, as the short ones do. By
+    the gap it read 9.7 one-row forwards where it costs 5.3, and ngram-mod's 16-token drafts, accepted whole, were
+    cut to 2 tokens for good (issue 46)."""
+    today = {1: 0.0145, 2: 0.018, 3: 0.020, 4: 0.028, 6: 0.034, 8: 0.040, 12: 0.058, 16: 0.075}
+    costs = CostModel()
+    costs.set_points({rows: 2 * seconds for rows, seconds in today.items()})
+    for _ in range(20):
+        costs.observe(1, today[1])
+        costs.observe(3, today[3])
+    assert costs(17) == pytest.approx(costs.curve(17) / 2, rel=0.02)  # 5.4 one-row forwards, not 10
+    planner = planner_with(costs, {"ngram-mod": 0.995})
+    assert planner.plan([("ngram-mod", 16)], 0.0) == [16]
 
 
 def test_cold_copies_share_the_calibration():
