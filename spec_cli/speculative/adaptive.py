@@ -54,13 +54,13 @@ PRIOR_WEIGHT = 1.0  # the prior of a_1 counts as one observation, forgotten like
 # and a code edit of qwen2.5-coder-1.5b). Replayed over the built-in prompt sets' greedy outputs (1.5b and 0.5b) with
 # the measured cost curve: worst prompt 0.937x -> 0.989x of plain, code-edit within +-2 % (ngram-cache +5-9 %).
 DEPTH_PRIOR_WEIGHT = 4.0
-# Exploration: a drafter planned at 0 tokens gets a 1-token probe (its estimate only changes when it drafts), the
-# gap to the next probe doubling from its shortest gap up to PROBE_GAP_MAX steps, starting over when the drafter is
-# worth asking again. The shortest gap is PROBE_GAP_MIN steps, or longer for a dear probe: a probe's whole price
+# Exploration: a model drafter planned at 0 tokens gets a 1-token probe (its estimate only changes when it drafts),
+# the gap to the next probe doubling from its shortest gap up to PROBE_GAP_MAX steps, starting over when the drafter
+# is worth asking again. The shortest gap is PROBE_GAP_MIN steps, or longer for a dear probe: a probe's whole price
 # (the catch-up of an idle draft cache, its token, the extra verify row) is held to PROBE_BUDGET of the time of the
-# steps between probes. So a useless n-gram drafter costs one 2-row verify per 256 steps in the long run, a useless
-# draft model a few percent at most, and one that starts to fit the text (a copied block begins) is found again.
-# An n-gram drafter (free to ask) is shadowed instead (Planner._free_cap): its drafts are scored, never verified.
+# steps between probes. So a useless draft model costs a few percent at most, and one that starts to fit the text is
+# found again. An n-gram drafter (free to ask) is shadowed instead (Planner._free_cap): its drafts are scored against
+# the committed tokens, never verified, its asking held to PROBE_BUDGET.
 PROBE_GAP_MIN = 16
 # A model drafter's first probe comes this many steps into a request, while its cache still holds the prompt it
 # mirrored at prompt time (draft_model.IDLE_STEPS): one draft token and one verify row. Waiting for the gap its
