@@ -550,9 +550,9 @@ def test_a_recorded_ngram_mod_trace_verifies_the_long_drafts_that_pay():
     trace file names its command): ngram-mod drafts on 14 of 195 steps, where an edit copies a block, and 13 of its
     drafts were accepted whole. On the run's verify-cost curve a whole 16-token draft verified whole commits 17
     tokens for 4.7 one-row forwards, more per second than any cut of it: the planner must verify such drafts whole
-    once its first drafts have taught it (it starts from the prior of a drafter never seen, a_1 = 0.5). It cut them
-    to a few tokens, and dropped the drafter for its lookups' time: the last edit's three drafts, 37 tokens all
-    accepted, were not verified at all."""
+    once its first drafts have taught it (it starts from the prior of a drafter never seen, a_1 = 0.5). Before, it
+    priced the drafter's lookups per drafted token (one of them took 7 ms) and dropped it: the last edit's three
+    drafts, 37 tokens all accepted, were not verified at all."""
     trace = json.loads(TRACE.read_text())
     costs = CostModel()
     costs.set_points({int(rows): ms / 1000 for rows, ms in trace["verify_ms"].items()})
