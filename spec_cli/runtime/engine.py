@@ -14,9 +14,11 @@ import torch
 
 from spec_cli.errors import UsageError
 from spec_cli.model.context import Context
+from spec_cli.model.gguf_file import GGUFFile
 from spec_cli.model.head_context import HeadContext
 from spec_cli.model.loader import LoadedModel, load_model
 from spec_cli.options import DEFAULT_GPU_LAYERS, default
+from spec_cli.runtime import memory
 from spec_cli.runtime.draft_files import draft_kind, head_device, load_eagle3, load_mtp, md_type
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.draft_model import check_vocab_compatible
@@ -54,6 +56,7 @@ class Engine:
     draft_ctx: Context | None = None
     mtp_ctx: HeadContext | None = None  # the target's NextN head with its own KV (draft-mtp)
     eagle3_ctx: HeadContext | None = None  # the EAGLE-3 head of -md with its own KV (draft-eagle3)
+    draft_file: Path | None = None  # the -md file the drafters read (a draft model, an EAGLE-3 head, an MTP model)
     costs: CostModel = field(default_factory=CostModel)  # --draft-max auto: the target's verify cost, calibrated once
 
     @property
@@ -101,23 +104,44 @@ def build_engine(opts: EngineOptions) -> Engine:
     if opts.threads:
         torch.set_num_threads(opts.threads)
     opts = replace(opts, spec=implied_spec(opts))
-    target = load_target(opts)
+    target_file = GGUFFile(resolve(opts.model))
+    draft_file = GGUFFile(resolve(opts.model_draft)) if "draft-simple" in opts.spec.types else None
+    if not sharded(opts):  # a shard's memory is its rank's
+        memory.check_fits(memory.estimate(opts, target_file, draft_file, head_file(opts, target_file)), opts)
+    target = load_target(opts, target_file)
     tokenizer = Tokenizer.from_metadata(target.gguf.metadata)
     draft = None
-    if "draft-simple" in opts.spec.types:
-        draft = load_model(resolve(opts.model_draft), opts.device_draft or opts.device, opts.n_gpu_layers_draft,
-                           opts.dtype)
+    if draft_file is not None:
+        draft = load_model(draft_file, opts.device_draft or opts.device, opts.n_gpu_layers_draft, opts.dtype)
         check_vocab_compatible(tokenizer, Tokenizer.from_metadata(draft.gguf.metadata))
     return assemble_engine(opts, target, tokenizer, draft)
 
 
-def load_target(opts: EngineOptions) -> LoadedModel:
-    """The target whole, or with -tp N (or under torchrun) rank 0's shard, its followers loading theirs."""
+def head_file(opts: EngineOptions, target_file: GGUFFile) -> tuple[str, GGUFFile] | None:
+    """The head the spec types load and the file it comes from: draft-mtp's NextN layers (-md's model file, else the
+    target's), draft-eagle3's -md file."""
+    md = resolve(opts.model_draft) if opts.model_draft else None
+    if "draft-eagle3" in opts.spec.types and md is not None:
+        return "draft-eagle3", GGUFFile(md)
+    if "draft-mtp" in opts.spec.types:
+        return "draft-mtp", GGUFFile(md) if md and draft_kind(md) == "draft-mtp" else target_file
+    return None
+
+
+def sharded(opts: EngineOptions) -> bool:
+    """-tp N (or torchrun): the target is split over ranks."""
     from spec_cli.model.parallel import comm as tp_comm
+
+    return tp_comm.world_size(opts.tensor_parallel) > 1
+
+
+def load_target(opts: EngineOptions, target_file: GGUFFile | None = None) -> LoadedModel:
+    """The target (from `target_file` where it is open already) whole, or with -tp N (or under torchrun) rank 0's
+    shard, its followers loading theirs."""
     from spec_cli.model.parallel import tensor_parallel
 
-    if tp_comm.world_size(opts.tensor_parallel) == 1:
-        return load_model(resolve(opts.model), opts.device, opts.n_gpu_layers, opts.dtype)
+    if not sharded(opts):
+        return load_model(target_file or resolve(opts.model), opts.device, opts.n_gpu_layers, opts.dtype)
     if opts.n_gpu_layers != DEFAULT_GPU_LAYERS:
         raise UsageError("-tp puts every block on its rank's device: -ngl cannot be combined with it")
     for kind in ("draft-mtp", "draft-eagle3"):
@@ -147,7 +171,7 @@ def assemble_engine(opts: EngineOptions, target: LoadedModel, tokenizer: Tokeniz
                              "draft-train)")
         head = load_eagle3(md, target, tokenizer, head_device(opts.device, opts.device_draft, opts.n_gpu_layers_draft))
         eagle3_ctx = HeadContext(head, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
-    return Engine(target, tokenizer, ctx, draft, draft_ctx, mtp_ctx, eagle3_ctx, CostModel(verify_cost_cache()))
+    return Engine(target, tokenizer, ctx, draft, draft_ctx, mtp_ctx, eagle3_ctx, md, CostModel(verify_cost_cache()))
 
 
 def context_class(loaded: LoadedModel) -> type[Context]:

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 from spec_cli.model.batch import Batch
+from spec_cli.model.state_arrays import State, prefixed, within
 from spec_cli.speculative.adaptive import AcceptanceModel, Planner, expected_tokens
 from spec_cli.speculative.base import Drafter, DraftParams
 from spec_cli.speculative.stats import DrafterStats
@@ -196,6 +197,24 @@ class Chain:
         if winner is not None and self.planner is None:  # with a planner, the step loop tells it (observe_accept)
             self.acceptance.observe(winner.name, n_drafted, n_accepted)
         self.last[seq] = None
+
+    # --- slot files: every drafter's state of one sequence, under its name ----------------------------------------
+
+    def save_state(self, seq: int) -> State:
+        return {k: v for d in self.drafters for k, v in prefixed(f"{d.name}/", d.save_state(seq)).items()}
+
+    def restore_state(self, seq: int, state: State, n_vocab: int) -> None:
+        for d in self.drafters:
+            d.restore_state(seq, within(state, f"{d.name}/"), n_vocab)
+        self.last[seq] = None
+
+    def forget(self, seq: int) -> None:
+        for d in self.drafters:
+            d.forget(seq)
+        self.last[seq] = None
+
+    def slot_info(self, seq: int) -> dict[str, dict]:
+        return {d.name: d.slot_info(seq) for d in self.drafters}
 
 
 @contextmanager
