@@ -53,8 +53,18 @@ from spec_cli.model.batch import Batch
 from spec_cli.model.context import Context
 from spec_cli.model.head_context import HeadContext
 from spec_cli.model.sampling import draft_generator, sample_restricted
-from spec_cli.model.state_arrays import (State, array_of, copy_into, counters, entry, fits, ints, prefixed,
-                                          scalar, within)
+from spec_cli.model.state_arrays import (
+    State,
+    array_of,
+    copy_into,
+    counters,
+    entry,
+    fits,
+    ints,
+    prefixed,
+    scalar,
+    within,
+)
 from spec_cli.speculative.base import Drafter, DraftParams, SpecParams, TargetCache
 from spec_cli.speculative.draft_model import DRAFT_TOP_K, IDLE_STEPS, RESTART_WINDOW
 
