@@ -201,7 +201,7 @@ dtype = choice(*DTYPES, aliases={"float32": "f32", "float16": "f16", "bfloat16":
 # registered there at run time (a plugin's) is appended by `add_drafter_type`.
 _DRAFTER_TYPES: dict[str, tuple[str, ...]] = {
     "ngram-simple": (), "ngram-map-k": (), "ngram-map-k4v": (), "ngram-mod": (), "ngram-cache": (), "suffix": (),
-    "draft-simple": ("draft",), "draft-mtp": ("mtp",),
+    "draft-simple": ("draft",), "draft-mtp": ("mtp",), "draft-eagle3": ("eagle3",),
 }
 _TYPE_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]*")  # --spec-type values are lower-cased and split at commas
 
@@ -400,7 +400,8 @@ SPEC = ("Speculative decoding", [
         "llama.cpp's default speculative config: ngram-mod with its --spec-ngram-mod-* settings (added to any "
         "--spec-type chain)"),
     Opt("model_draft", Optional[str], None, ("-md", "--model-draft", "--spec-draft-model"),
-        "draft model (GGUF or name); alone it enables draft-simple"),
+        "draft (GGUF or name); alone it enables its file's kind: a model draft-simple, an EAGLE-3 head draft-eagle3, "
+        "a model with NextN layers draft-mtp"),
     Opt("n_gpu_layers_draft", str, GPU_LAYERS_ALL, ("-ngld", "--n-gpu-layers-draft", "--gpu-layers-draft",
                                                     "--spec-draft-ngl"),
         "draft blocks on the GPU: N, or auto | all | -1 = every block", parse=gpu_layers),
@@ -607,6 +608,9 @@ SERVER = ("Server", [
     Opt("max_body_mib", int, 8, ("--max-body-mib",), "largest request body in MiB (413 above it)", ge=1),
     Opt("read_timeout", float, 30.0, ("--read-timeout",), "seconds a request has to arrive whole, headers and body, "
         "from its first byte (and a new connection to send one): 408 and the connection closed after", gt=0.0),
+    Opt("slot_save_path", Optional[str], None, ("--slot-save-path",), "directory of the slot files of POST "
+        "/slots/{id}?action=save|restore|erase (created if missing; the slot actions are off without it)",
+        metavar="DIR", parse=nonempty),
 ])
 
 SERVER_OPTIONS = {o.name: o for o in SERVER[1]}
@@ -636,6 +640,49 @@ MTP_TRAIN = ("Training", [
 ])
 
 MTP_TRAIN_OPTIONS = {o.name: o for o in MTP_TRAIN[1]}
+
+# `spec-cli draft-train --type eagle3|mtp` (mtp-train = --type mtp): MTP_TRAIN's flags, whose defaults are the MTP
+# head's, where the EAGLE-3 head's differ these (train/eagle3.py Eagle3TrainConfig reads them here: sized to train
+# qwen2.5-coder-0.5b in about 45 minutes on a 2-core CPU), and the EAGLE-3 recipe's own
+EAGLE3_TRAIN_DEFAULTS = {"steps": 240, "data_tokens": 131072, "eval_tokens": 8192, "draft_vocab": 16000,
+                         "ttt_steps": 4}
+HEAD_TYPES = ("eagle3", "mtp")
+
+
+def layer_list(value: str) -> tuple[int, ...]:
+    """--layers: a comma list of layer numbers."""
+    try:
+        layers = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise Invalid("a comma list of layer numbers") from None
+    if any(n < 0 for n in layers):
+        raise Invalid("a comma list of layer numbers")
+    return layers
+
+
+def _per_type(o: Opt) -> Opt:
+    """A training flag of draft-train: left out, the trained type's default."""
+    eagle3 = EAGLE3_TRAIN_DEFAULTS.get(o.name, o.default)
+    return replace(o, annotation=Optional[o.annotation], default=None,
+                   help=f"{o.help} (default: eagle3 {shown(eagle3)}, mtp {shown(o.default)})")
+
+
+_PER_TYPE = ("steps", "lr", "seq_len", "batch", "data_tokens", "gen_tokens", "eval_tokens", "checkpoint_every",
+             "draft_vocab", "seed")
+DRAFT_TRAIN = ("Training", [
+    Opt("kind", str, HEAD_TYPES[0], ("--type",), f"the head to train: {' | '.join(HEAD_TYPES)} (eagle3: its own "
+        "file in llama.cpp's eagle3 layout, -md FILE drafts with it; mtp: the model plus a NextN head)",
+        parse=choice(*HEAD_TYPES)),
+    *(_per_type(o) if o.name in _PER_TYPE else
+      replace(o, help="GGUF to write (eagle3: the head; mtp: the model plus the head)") if o.name == "output" else o
+      for o in MTP_TRAIN[1]),
+])
+EAGLE3_TRAIN = ("EAGLE-3", [
+    Opt("ttt_steps", Optional[int], None, ("--ttt-steps",), "draft steps unrolled in training (the training-time "
+        f"test; default {EAGLE3_TRAIN_DEFAULTS['ttt_steps']})", ge=1),
+    Opt("layers", Optional[str], None, ("--layers",), "the three target layers read, comma list (default: 2, N/2, "
+        "N-3 of the target's N, as llama.cpp's converter)", parse=layer_list),
+])
 
 # `spec-cli lookup-stats`: the text is replayed in chunks of -c tokens
 CHUNKS = ("Replay", [

@@ -26,13 +26,14 @@ from spec_cli.model.sampling import SamplingParams
 from spec_cli.runtime.engine import EngineOptions
 from spec_cli.runtime.generate import SpecOverrides, generate
 from spec_cli.runtime.session import open_session
-from spec_cli.speculative import mtp as mtp_drafter
+from spec_cli.speculative import head_drafter
 from spec_cli.speculative.base import DraftParams, SpecParams
 from spec_cli.text.prompt_sets import quoted_stdlib_files
 from spec_cli.text.tokenizer import Tokenizer
 from spec_cli.train.data import generation_prompts, stdlib_documents, token_windows
 from spec_cli.train.mtp import TrainConfig, draft_vocabulary, train
 from spec_cli.train.mtp_features import head_forward
+from tests.draft_recorder import record_drafts
 from tests.tiny_mtp import write_tiny_mtp_gguf
 
 GREEDY = SamplingParams(temp=0.0)
@@ -132,25 +133,12 @@ def reference_draft(head, lm, prompt: list[int], id_last: int, n: int, shift: in
     return drafts
 
 
-def record_drafts(session):
-    """Wrap the MTP drafter's draft(): every call's (prompt, id_last, drafted tokens)."""
-    drafter = session.chain.drafters[-1]
-    calls, inner = [], drafter.draft
-
-    def draft(params):
-        inner(params)
-        calls.extend((list(p.prompt), p.id_last, list(p.result)) for p in params if p.result)
-
-    drafter.draft = draft
-    return calls
-
-
 @pytest.mark.parametrize("n_seq", [1, 4])
-@pytest.mark.parametrize("defer_max", [mtp_drafter.DEFER_MAX, 0])
+@pytest.mark.parametrize("defer_max", [head_drafter.DEFER_MAX, 0])
 def test_drafts_follow_the_shifted_hidden_states(mtp_path, monkeypatch, n_seq, defer_max):
     """defer_max 0: head rows are decoded in process() itself, up to each verify batch's first row.
     Under reeval rollback every committed head row reads the target's hidden state, as the reference does."""
-    monkeypatch.setattr(mtp_drafter, "DEFER_MAX", defer_max)
+    monkeypatch.setattr(head_drafter, "DEFER_MAX", defer_max)
     session = make_session(mtp_path, "draft-mtp", n_seq=n_seq, mtp_rollback="reeval")
     calls = record_drafts(session)
     run_all(session, PROMPTS[:n_seq])
@@ -204,7 +192,7 @@ def test_partial_acceptance_keeps_committed_state_only(mtp_path, rollback):
     assert drafter.target_cache.tokens[0] == prompt + [id_last, p.result[0]]
     assert drafter.n_done[0] == kept_rows and drafter.ctx.lengths[0] == kept_rows
     assert torch.equal(drafter.ctx.kv[0][0][0, :, pos0: kept_rows], drafted_k[:, : kept_rows - pos0])
-    torch.testing.assert_close(drafter.ctx.feed[0, keep - 1], out.hidden[1])  # pending = hidden of the last kept row
+    torch.testing.assert_close(drafter.ctx.feed[0, keep], out.features[1, 0])  # held back: the last kept row's
     session.engine.ctx.seq_rm(0, keep)
     sizes = head_rows_decoded(drafter)
     q = DraftParams(0, 3, keep, 5, prompt + [id_last, p.result[0]])
@@ -233,7 +221,7 @@ def test_the_prompts_head_rows_are_decoded_with_the_prompt(mtp_path):
 def test_a_verify_batch_past_its_first_row_waits_for_accept(mtp_path, monkeypatch):
     """`process` decoding a backlog (more than DEFER_MAX rows) stops at a verify batch's first row: the rows after
     it hold draft tokens the verify may reject (an n-gram draft of 16), decoded only once accepted."""
-    monkeypatch.setattr(mtp_drafter, "DEFER_MAX", 0)
+    monkeypatch.setattr(head_drafter, "DEFER_MAX", 0)
     session = make_session(mtp_path, "draft-mtp")
     session.reset()
     drafter = session.chain.drafters[-1]
@@ -250,15 +238,15 @@ def test_a_verify_batch_past_its_first_row_waits_for_accept(mtp_path, monkeypatc
     assert drafter.n_done[0] == drafter.ctx.lengths[0] == pos0 + 1 and sizes == [1]
 
 
-@pytest.mark.parametrize("window", [mtp_drafter.RESTART_WINDOW, 3])
+@pytest.mark.parametrize("window", [head_drafter.RESTART_WINDOW, 3])
 def test_an_unused_head_decodes_nothing_and_catches_up_exactly_when_asked_again(mtp_path, plain_outputs, monkeypatch,
                                                                                window):
     """Not asked for IDLE_STEPS target decodes (per-request types here; the adaptive planner drops a head alike),
     the head stops decoding committed rows; asked again, `catch_up` decodes the backlog from the hidden states the
     feed kept, or, more than `window` rows behind, restarts the head from the last `window` positions: its drafts
     are a from-scratch head's over those rows (reeval) and the output is plain's."""
-    monkeypatch.setattr(mtp_drafter, "DEFER_MAX", 4)
-    monkeypatch.setattr(mtp_drafter, "RESTART_WINDOW", window)
+    monkeypatch.setattr(head_drafter, "DEFER_MAX", 4)
+    monkeypatch.setattr(head_drafter, "RESTART_WINDOW", window)
     session = make_session(mtp_path, "draft-mtp", mtp_rollback="reeval")
     session.reset()
     drafter = session.chain.drafters[-1]
@@ -269,7 +257,7 @@ def test_an_unused_head_decodes_nothing_and_catches_up_exactly_when_asked_again(
     s = gen.active[0]
     while s.n_generated < N_PREDICT // 2:
         out += [t for e in gen.step() for t in e.tokens]
-    assert s.n_drafted == 0 and sum(sizes) <= len(PROMPTS[0]) + mtp_drafter.IDLE_STEPS + 1  # only while not idle
+    assert s.n_drafted == 0 and sum(sizes) <= len(PROMPTS[0]) + head_drafter.IDLE_STEPS + 1  # only while not idle
     backlog = len(drafter.target_cache.tokens[0]) - drafter.n_done[0]
     assert backlog > 4
     del sizes[:]
@@ -288,7 +276,7 @@ def test_a_cached_prefix_shorter_than_the_window_restarts_the_head_at_its_end(mt
     """A restarted head's feed holds no hidden states before its window: a next request on the sequence whose cached
     prefix ends before the window restarts the head where the prefix ends (its first row reading none), so its drafts
     are a from-scratch head's over the rows from there, and the output is plain's."""
-    monkeypatch.setattr(mtp_drafter, "RESTART_WINDOW", 3)
+    monkeypatch.setattr(head_drafter, "RESTART_WINDOW", 3)
     session = make_session(mtp_path, "draft-mtp", mtp_rollback="reeval")
     session.reset()
     drafter = session.chain.drafters[-1]
@@ -405,7 +393,7 @@ def test_training_lowers_the_loss_and_round_trips(tiny_model_path, tmp_path, dty
     lm = load_model(out, device="cpu")
     assert (lm.config.n_layer_main, lm.config.n_nextn) == (target.config.n_layer, 1)
     assert load_mtp_head(lm).draft_vocab.shape == (100,)
-    trained = torch.load(out.with_suffix(".ckpt.pt"))["head"]
+    trained = torch.load(out.with_suffix(".ckpt.pt"))["module"]
     loaded = load_mtp_head(lm).state_dict()
     assert trained.keys() == loaded.keys()
     for name, t in trained.items():
@@ -459,17 +447,19 @@ def test_spec_type_mtp_through_the_engine(mtp_path):
 
 
 def test_hidden_state_capture_lives_with_the_session_that_reads_it(mtp_path):
-    """draft-mtp's session keeps the target capturing hidden states; the next session without it, or closing it,
-    stops the capture (it used to outlive the chain). The engine itself cannot be rewired."""
+    """draft-mtp's session keeps the target capturing its final pre-norm state (target features on request: the
+    tap at layer id n_layer); the next session without it, or closing it, stops the capture (it used to outlive the
+    chain). The engine itself cannot be rewired."""
     session = make_session(mtp_path, "ngram-mod,draft-mtp")
     ctx = session.engine.ctx
-    assert ctx.capture_hidden
+    final = (ctx.config.n_layer_main,)
+    assert ctx.taps == final
     plain = session.renew(types=["ngram-mod"])
-    assert plain.types == ["ngram-mod"] and not ctx.capture_hidden
+    assert plain.types == ["ngram-mod"] and ctx.taps == ()
     again = plain.renew(types=["draft-mtp"])
-    assert again.types == ["draft-mtp"] and ctx.capture_hidden
+    assert again.types == ["draft-mtp"] and ctx.taps == final
     again.close()
-    assert not ctx.capture_hidden and ctx.last_hidden is None
+    assert ctx.taps == () and ctx.last_features is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         session.engine.ctx = None
 

@@ -55,7 +55,7 @@ def random_blocks(qtype: GGMLQuantizationType, shape: tuple[int, int], std: floa
     return blocks.reshape(N, -1)
 
 
-def _add_metadata(w: GGUFWriter, meta: dict) -> None:
+def add_metadata(w: GGUFWriter, meta: dict) -> None:
     for key, value in meta.items():
         if isinstance(value, bool):
             w.add_bool(key, value)
@@ -98,9 +98,9 @@ def write_tiny_gguf(
     noise = np.random.default_rng(seed + 1000)
     vocab = tiny_bpe_metadata()
     for key, value in (vocab_changes or {}).items():
-        if key in ("rename_token", "rename_tokens"):  # other token texts at these ids: another vocabulary
+        if key == "rename_tokens":  # other token texts at these ids: another vocabulary
             vocab["tokenizer.ggml.tokens"] = list(vocab["tokenizer.ggml.tokens"])
-            for i in [value] if key == "rename_token" else value:
+            for i in value:
                 vocab["tokenizer.ggml.tokens"][i] += "x"
         else:
             vocab[key] = value
@@ -127,9 +127,9 @@ def write_tiny_gguf(
     }
     if arch == "gemma3":
         meta[f"{arch}.attention.sliding_window"] = sliding_window
-    _add_metadata(w, meta)
+    add_metadata(w, meta)
     if with_tokenizer:
-        _add_metadata(w, vocab)
+        add_metadata(w, vocab)
 
     def add(name: str, shape: tuple[int, ...], scale: float, quantize: bool = True, offset: float = 0.0):
         arr = rng.standard_normal(shape) * scale + offset

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from spec_cli.bench import DRAFT_MODEL_FIELDS, NGRAM_FIELDS, SWEPT_CASE_FIELDS
 from spec_cli.errors import UsageError
 from spec_cli.model.catalog import registry_entry
 from spec_cli.options import BENCH_OPTIONS, DEFAULT_GPU_LAYERS
+from spec_cli.runtime.draft_files import draft_kind
 from spec_cli.speculative.synthetic import NAME as SYNTHETIC
 
 
@@ -200,7 +202,9 @@ def _spec_tests(p: BenchParams, model: str) -> list[Test]:
             values = dict(zip(SWEPT_CASE_FIELDS, case))
             types = chain_types(values["spec_type"])
             if "draft-simple" not in types:  # settings a chain does not read make no duplicate runs
-                values.update({f: Test.__dataclass_fields__[f].default for f in DRAFT_MODEL_FIELDS})
+                # draft-eagle3 reads the -md file (and its device settings), not --draft-vocab
+                unread = ("draft_vocab",) if "draft-eagle3" in types else DRAFT_MODEL_FIELDS
+                values.update({f: Test.__dataclass_fields__[f].default for f in unread})
             if "draft-mtp" not in types:
                 values["spec_mtp_rollback"] = Test.__dataclass_fields__["spec_mtp_rollback"].default
             if types != [SYNTHETIC]:
@@ -214,6 +218,12 @@ def _spec_tests(p: BenchParams, model: str) -> list[Test]:
                     seen.add(test)
                     tests.append(test)
     return tests
+
+
+def _md_kind(md: str) -> str:
+    """The spec type -md drafts with: its file's kind (a models.toml name is a draft model; a missing file is
+    reported when the run loads it)."""
+    return draft_kind(md) if Path(md).is_file() else "draft-simple"
 
 
 def _listed_draft(model: str) -> list[str]:
@@ -234,8 +244,8 @@ def from_flags(flags: dict) -> BenchParams:
     d = BenchParams()
     spec_type = spec_chains(flags.get("spec_type"))
     model_draft = swept(flags, "model_draft", [])
-    if model_draft and not spec_type:
-        spec_type = ["draft-simple"]  # -md alone enables draft-simple, as in every other command (#25345)
+    if model_draft and not spec_type:  # -md alone drafts with its file's kind, as in every other command
+        spec_type = sorted({_md_kind(md) for md in model_draft})
     spec_accept = swept(flags, "spec_accept", [])
     spec_type += [SYNTHETIC] if spec_accept else []  # its tests: one per rate (the chains' tests have none)
     prompt_sets = swept(flags, "prompt_set", []) + swept(flags, "prompts", [])

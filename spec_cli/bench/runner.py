@@ -437,7 +437,9 @@ class SpecRun:
                           draft_p_min=t.draft_p_min, draft_vocab=t.draft_vocab, verify=t.spec_verify,
                           select=t.spec_select, mtp_rollback=t.spec_mtp_rollback, **dict(t.ngram))
         opts = EngineOptions(n_ctx=max(len(p) for p in self.prompts) + t.n_gen + draft_max + 2, n_batch=inst.n_batch,
-                             n_ubatch=inst.n_ubatch, compile=inst.compile, spec=spec)
+                             n_ubatch=inst.n_ubatch, compile=inst.compile, spec=spec, model_draft=t.model_draft or None,
+                             device=inst.devices or None, device_draft=t.devices_draft or None,
+                             n_gpu_layers_draft=t.n_gpu_layers_draft)  # draft-eagle3 loads its head from -md
         engine = assemble_engine(opts, model.loaded, model.tokenizer, draft.loaded if draft else None, bridge)
         self.session = Session(engine, spec, self._synthetic(model, engine, params.seed) if t.spec_accept else None)
         self.sampling = SamplingParams(temp=t.temp, seed=params.seed)

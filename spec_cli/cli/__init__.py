@@ -27,7 +27,7 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from spec_cli.cli import bench, lookup, models, mtp_train, run, server, speculative
+    from spec_cli.cli import bench, draft_train, lookup, models, run, server, speculative
 
     app.command("run")(run.run)
     app.command("bench")(bench.bench)
@@ -37,7 +37,8 @@ def _register() -> None:
     app.command("lookup-merge")(lookup.lookup_merge)
     app.command("lookup-stats")(lookup.lookup_stats)
     app.command("server")(server.server)
-    app.command("mtp-train")(mtp_train.mtp_train)
+    app.command("draft-train")(draft_train.draft_train)
+    app.command("mtp-train")(draft_train.mtp_train)
     app.add_typer(models.app, name="models")
 
 

@@ -1,6 +1,6 @@
 """`--compile`: the decode/verify step's decoder blocks through `torch.compile` (CPU: inductor; CUDA: CUDA graphs).
 
-What is compiled: the loop over a Transformer's decoder blocks (`Transformer.forward_hidden` with `step=`) as one
+What is compiled: the loop over a Transformer's decoder blocks (`Transformer.forward_tapped` with `step=`) as one
 graph over the static KV cache, for decode and verify shapes only (at most ROW_BUCKETS[-1] sequences of at most
 ROW_BUCKETS[-1] rows; longer prompt chunks, and a sequence's first row alone, run eager). The layers' weights are
 graph inputs, so a graph serves every model of the same shapes (a target and a same-size draft share it).
@@ -129,13 +129,17 @@ def register_ops() -> None:
 
 
 def _layers(model: Transformer, x, positions, write_rows, write_seq, write_pos, kv_seqs, mask_full, mask_swa,
-            ropes, kv):
-    """Every decoder block of one step (Transformer.forward_hidden's loop) in torch ops (Block.forward_torch), as
-    one graph."""
+            ropes, kv, taps):
+    """Every decoder block of one step (Transformer.forward_tapped's loop) in torch ops (Block.forward_torch), as
+    one graph. -> (hidden [G, T, D], the features of the layers `taps` [G, T, len(taps), D] or None without taps)."""
     plan = ForwardPlan(positions, write_rows, write_seq, write_pos, kv_seqs, mask_full.shape[-1], mask_full, mask_swa)
-    for layer, (k_cache, v_cache) in zip(model.layers, kv):
+    tapped = {}
+    for i, (layer, (k_cache, v_cache)) in enumerate(zip(model.layers, kv)):
+        if i in taps:
+            tapped[i] = x
         x = layer.forward_torch(x, plan, ropes[int(layer.swa)], k_cache, v_cache)
-    return x
+    tapped[len(model.layers)] = x
+    return x, torch.stack([tapped[i] for i in taps], dim=2) if taps else None
 
 
 # --- the step -----------------------------------------------------------------------------------------------------
@@ -164,6 +168,8 @@ def _configure() -> None:
     # the blocks' float attributes (norm eps, attention scale) as constants: symbolic floats (dynamic=True's default)
     # made every compile trace the graph twice (tensorify_python_scalars restarts the analysis and specializes them)
     dynamo_config.specialize_float = True
+    # the tapped layers (a tuple of ints) as constants: dynamic=True made them symbols, which cannot pick tensors
+    dynamo_config.specialize_int = True
     # rows and key range as two symbols even where they are equal: duck sizing gave them one on a prompt's first
     # chunk (as many keys as rows), and the first step with fewer rows than keys (a verify) compiled again
     shapes_config.use_duck_shape = False
@@ -177,7 +183,7 @@ class CompileStats:
 
 
 class CompiledStep:
-    """Runs the decoder blocks of a step compiled (`Transformer.forward_hidden(..., step=)`); Context pads the step's
+    """Runs the decoder blocks of a step compiled (`Transformer.forward_tapped(..., step=)`); Context pads the step's
     rows to ROW_BUCKETS (`fits`, `bucket`) before it calls the model."""
 
     def __init__(self, name: str, cuda: bool, pad: bool | None = None):
@@ -209,8 +215,10 @@ class CompiledStep:
         """One graph per step needs every block on one device (-ngl splits run eager)."""
         return len(set(model.layer_devices)) == 1
 
-    def __call__(self, model: Transformer, x: torch.Tensor, plan: ForwardPlan, kv) -> torch.Tensor:
-        """x [G, T, D] after the embedding -> after the last block; the caches written as eager writes them."""
+    def __call__(self, model: Transformer, x: torch.Tensor, plan: ForwardPlan, kv,
+                 taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [G, T, D] after the embedding -> (after the last block, the features of `taps` or None), the caches
+        written as eager writes them (Transformer.forward_tapped)."""
         G, T, _ = x.shape
         by_kind = model.ropes(plan.positions, plan.n_kv)  # the tables of the step's positions
         # the key range and rows are symbols from the first compile (else: one recompile on their change); on CUDA
@@ -220,7 +228,7 @@ class CompiledStep:
                 torch._dynamo.maybe_mark_dynamic(mask, 3)
         torch._dynamo.maybe_mark_dynamic(x, 1)
         args = (model, x, plan.positions, plan.write_rows, plan.write_seq, plan.write_pos, plan.kv_seqs,
-                plan.mask_full, plan.mask_swa, [by_kind[False], by_kind[True]], kv)
+                plan.mask_full, plan.mask_swa, [by_kind[False], by_kind[True]], kv, taps)
         return self._timed(self._fn, args, G, T)
 
     def _timed(self, fn, args, G: int, T: int):

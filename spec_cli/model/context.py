@@ -11,13 +11,23 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from spec_cli.errors import SpecCliError
+from spec_cli.errors import SpecCliError, StateError
 from spec_cli.model.batch import Batch
+from spec_cli.model.config import ModelConfig
 from spec_cli.model.loader import LoadedModel
+from spec_cli.model.state_arrays import State, array_of, copy_into, fits, scalar
 from spec_cli.model.transformer import ForwardPlan
 from spec_cli.options import default
+
+
+def kv_shape(cfg: ModelConfig, n_ctx: int, n_seq: int) -> tuple[int, int, int, int]:
+    """One layer's K (or V) cache: [n_seq, kv_heads, n_ctx / n_seq + 1, head_dim]. The spare cell past each sequence's
+    context is where a CUDA graph's padded rows write when a step fills the sequence (cuda_graphs.py); nothing
+    attends it."""
+    return n_seq, cfg.n_head_kv, n_ctx // n_seq + 1, cfg.head_dim
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -30,6 +40,7 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
 class DecodeOutput:
     logits: torch.Tensor  # [n_rows_with_logits_flag, n_vocab] float32, in batch order
     hidden: torch.Tensor | None  # [n_rows, n_embd] pre-final-norm hidden state of every row, in batch order
+    features: torch.Tensor | None = None  # [n_rows, len(taps), n_embd] the tapped layers' inputs (Context.taps)
 
 
 class Context:
@@ -48,11 +59,8 @@ class Context:
         self.n_ctx_seq = n_ctx // n_seq
         self.n_batch = max(1, n_batch)
         self.n_ubatch = max(1, min(n_ubatch, self.n_batch))
-        cfg = self.config
         kv_dtype = self.model.dtype
-        # one spare cell past each sequence's context: where a CUDA graph's padded rows write when a step fills
-        # the sequence (cuda_graphs.py); nothing attends it
-        shape = (n_seq, cfg.n_head_kv, self.n_ctx_seq + 1, cfg.head_dim)
+        shape = kv_shape(self.config, n_ctx, n_seq)
         self.kv = [
             (torch.zeros(shape, dtype=kv_dtype, device=dev), torch.zeros(shape, dtype=kv_dtype, device=dev))
             for dev in self.model.layer_devices
@@ -63,8 +71,11 @@ class Context:
         if compile != "off":
             self._init_compiled(compile)
         self.n_decode = 0  # number of decode calls (llama.cpp's n_eval/n_decode_total)
-        self.capture_hidden = False  # keep every decode's hidden states in `last_hidden` (for MTP drafters)
-        self.last_hidden: torch.Tensor | None = None  # [n_rows, n_embd] of the last decode, batch order
+        # Target features on request (set_taps): the layers whose inputs every decode returns for every row, what
+        # the last decode returned, and how many rows were captured in all (none unless a drafter asked)
+        self.taps: tuple[int, ...] = ()
+        self.last_features: torch.Tensor | None = None  # [n_rows, len(taps), n_embd] of the last decode
+        self.n_tapped_rows = 0
 
     def _init_compiled(self, mode: str) -> None:
         from spec_cli.model import compiled
@@ -114,37 +125,88 @@ class Context:
     def clear(self) -> None:
         self.lengths = [0] * self.n_seq
 
+    # --- one sequence's cache as arrays (slot files) ------------------------------------------------------------
+
+    def seq_state(self, seq: int) -> State:
+        """Sequence `seq`'s cells: its length and, per layer i, `k{i}` / `v{i}` [kv_heads, length, head_dim]."""
+        if self.loaded.shard is not None:
+            raise SpecCliError("a -tp shard's cache lives on every rank: its sequences cannot be saved")
+        n = self.lengths[seq]
+        out = {"length": np.asarray(n)}
+        for i, (k, v) in enumerate(self.kv):
+            out[f"k{i}"], out[f"v{i}"] = array_of(k[seq, :, :n]), array_of(v[seq, :, :n])
+        return out
+
+    def restore_seq(self, seq: int, state: State) -> None:
+        """Sequence `seq`'s cells from `seq_state`'s arrays, all checked before any is written (StateError)."""
+        if self.loaded.shard is not None:
+            raise SpecCliError("a -tp shard's cache lives on every rank: its sequences cannot be restored")
+        n = scalar(state, "length", 0, self.n_ctx_seq - 1)
+        pairs = [(t[seq, :, :n], state.get(f"{name}{i}"), f"{name}{i}")
+                 for i, kv in enumerate(self.kv) for name, t in zip("kv", kv)]
+        for dst, a, what in pairs:
+            if a is None:
+                raise StateError(f"'{what}' is missing")
+            fits(dst, a, what)
+        for dst, a, _ in pairs:
+            copy_into(dst, a)
+        self.lengths[seq] = n
+
+    # --- target features on request --------------------------------------------------------------------------
+
+    def set_taps(self, layers) -> None:
+        """Capture the input of these layers (ids in [0, n_layer]; n_layer = the final pre-norm state) for every row
+        of every decode from now on, in `DecodeOutput.features` and `last_features`; none (the default) captures
+        and costs nothing."""
+        n_layer = self.config.n_layer_main
+        taps = tuple(sorted(set(layers)))
+        if any(not 0 <= layer <= n_layer for layer in taps):
+            raise SpecCliError(f"target layers {list(taps)} asked for: {self.loaded.gguf.path.name} has layers "
+                               f"0..{n_layer - 1} (and {n_layer}: the final state)")
+        self.taps = taps
+        self.last_features = None
+
+    def features_of(self, layers: tuple[int, ...]) -> torch.Tensor:
+        """The last decode's features of `layers` (each tapped): [n_rows, len(layers), n_embd], batch order."""
+        if self.last_features is None or any(layer not in self.taps for layer in layers):
+            raise SpecCliError(f"the target's layers {list(layers)} were not captured (Context.set_taps)")
+        if layers == self.taps:
+            return self.last_features
+        return self.last_features[:, [self.taps.index(layer) for layer in layers]]
+
     # --- decode ------------------------------------------------------------------------------------------
 
     def decode(self, batch: Batch, hidden: bool = False,
                head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> DecodeOutput:
         """One forward over the batch (split into ubatches of n_ubatch rows). Hidden states of every row come
-        back when `hidden` is set, and are kept in `last_hidden` when `capture_hidden` is set. `head` maps the
+        back when `hidden` is set; the tapped layers' inputs (set_taps) whenever there are taps. `head` maps the
         flagged rows' pre-norm hidden states [n, D] to their logits instead of the model's output layer (a draft
         vocabulary's rows)."""
-        hidden = hidden or self.capture_hidden
         if len(batch) == 0:
             raise SpecCliError("decode of an empty batch")
         if len(batch) > self.n_batch:
             raise SpecCliError(f"batch of {len(batch)} rows exceeds n_batch {self.n_batch}")
         self._check(batch)
-        logits, hiddens = [], []
+        logits, hiddens, features = [], [], []
         for start in range(0, len(batch), self.n_ubatch):
             rows = range(start, min(start + self.n_ubatch, len(batch)))
-            h, graph_logits = self._decode_ubatch(batch, rows, head is None)  # [len(rows), D]
+            h, graph_logits, feats = self._decode_ubatch(batch, rows, head is None)  # [len(rows), D]
             flags = [i - start for i in rows if batch.logits[i]]
             if flags:
                 logits.append(graph_logits if graph_logits is not None else (head or self.model.logits)(h[flags]))
             if hidden:
                 hiddens.append(h)
+            if feats is not None:
+                features.append(feats)
         self.n_decode += 1
         if logits:
             out_logits = _joined(logits)
         else:
             out_logits = torch.empty(0, self.config.n_vocab, device=self.device)
-        out = DecodeOutput(out_logits, _joined(hiddens) if hidden else None)
-        if self.capture_hidden:
-            self.last_hidden = out.hidden
+        out = DecodeOutput(out_logits, _joined(hiddens) if hidden else None, _joined(features) if features else None)
+        if self.taps:
+            self.last_features = out.features
+            self.n_tapped_rows += len(batch)
         return out
 
     def _check(self, batch: Batch) -> None:
@@ -161,9 +223,10 @@ class Context:
             expected[seq] += 1
 
     def _decode_ubatch(self, batch: Batch, rows: range,
-                       with_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> hidden states of `rows` [n, D] in batch order, and the flagged rows' logits where a CUDA graph
-        computed them (`with_logits`: the model's own output head), else None (decode applies the head)."""
+                       with_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """-> hidden states of `rows` [n, D] in batch order, the flagged rows' logits where a CUDA graph computed
+        them (`with_logits`: the model's own output head), else None (decode applies the head), and the rows'
+        features [n, len(taps), D] (None without taps)."""
         # group rows per sequence, padded to T rows each: tokens/positions [G, T]
         groups: dict[int, list[int]] = {}
         for i in rows:
@@ -178,16 +241,8 @@ class Context:
             from spec_cli.model.compiled import bucket
 
             G, T = bucket(G), bucket(T)
-        tokens, positions = [0] * (G * T), [0] * (G * T)  # [G, T] flat; padded rows: token 0 at position 0
-        flat_of_row = {}
-        write_rows, write_seq, write_pos = [], [], []
-        for g, seq in enumerate(seqs):
-            for t, i in enumerate(groups[seq]):
-                flat = flat_of_row[i] = g * T + t
-                tokens[flat], positions[flat] = batch.tokens[i], batch.pos[i]
-                write_rows.append(flat)
-                write_seq.append(seq)
-                write_pos.append(batch.pos[i])
+        tokens, positions, flat_of_row, writes = _grid(batch, groups, G, T)
+        write_rows, write_seq, write_pos = writes
         for seq in seqs:
             self.lengths[seq] += len(groups[seq])
         n_kv = max(self.lengths[s] for s in seqs)
@@ -211,11 +266,14 @@ class Context:
         kv_seqs = slice(seqs[0], seqs[0] + len(seqs)) if contiguous else seqs_t
         plan = self.forward_plan(pos_t.view(G, T), rows_t, seq_t, wpos_t, kv_seqs, n_kv)
         with torch.inference_mode():
-            if step is not None:
-                hidden = self.model.forward_hidden(tokens_t.view(G, T), plan, self.kv, step=step)
-            else:  # every model's forward_hidden, the MTP head's runner included (it is never compiled)
-                hidden = self.model.forward_hidden(tokens_t.view(G, T), plan, self.kv)  # [G, T, D]
-        return hidden.reshape(G * T, -1)[order_t.to(hidden.device)], None
+            if step is None and not self.taps:  # every model's, the draft heads' runners included (never compiled)
+                hidden, feats = self.model.forward_hidden(tokens_t.view(G, T), plan, self.kv), None  # [G, T, D]
+            else:
+                hidden, feats = self.model.forward_tapped(tokens_t.view(G, T), plan, self.kv, self.taps, step=step)
+        order_t = order_t.to(hidden.device)
+        if feats is not None:
+            feats = feats.reshape(G * T, len(self.taps), -1)[order_t]
+        return hidden.reshape(G * T, -1)[order_t], None, feats
 
     def forward_plan(self, pos: torch.Tensor, write_rows: torch.Tensor, write_seq: torch.Tensor,
                      write_pos: torch.Tensor, kv_seqs: slice | torch.Tensor, n_kv: int) -> ForwardPlan:
@@ -234,3 +292,20 @@ class Context:
             mask_full=causal.unsqueeze(1),
             mask_swa=swa.unsqueeze(1) if swa is not None else None,
         )
+
+
+def _grid(batch: Batch, groups: dict[int, list[int]], G: int, T: int):
+    """The rows of `groups` (sequence -> its batch rows) laid out as [G, T], flat: -> (tokens, positions, the flat
+    index of each batch row, (flat rows, sequences, positions) of the KV writes). Padded cells hold token 0 at
+    position 0."""
+    tokens, positions = [0] * (G * T), [0] * (G * T)
+    flat_of_row: dict[int, int] = {}
+    write_rows, write_seq, write_pos = [], [], []
+    for g, (seq, rows) in enumerate(groups.items()):
+        for t, i in enumerate(rows):
+            flat = flat_of_row[i] = g * T + t
+            tokens[flat], positions[flat] = batch.tokens[i], batch.pos[i]
+            write_rows.append(flat)
+            write_seq.append(seq)
+            write_pos.append(batch.pos[i])
+    return tokens, positions, flat_of_row, (write_rows, write_seq, write_pos)

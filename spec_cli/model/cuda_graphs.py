@@ -37,17 +37,20 @@ class StepGraphs:
         self.capture = capture
         self.buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.logits: dict[tuple[int, int], torch.Tensor] = {}  # (G, T) -> [G * T, n_vocab] float32
-        self.graphs: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph] = {}
+        # (G, T, taps) -> [G * T, len(taps), D]: the target features of the context's taps (Context.set_taps)
+        self.features: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int, int, bool, tuple[int, ...]], torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # rope tables the graphs read
 
     def run(self, G: int, T: int, n_kv: int, tokens: list[int], positions: list[int], seqs: list[int],
             ends: dict[int, int], order: list[int], flagged: list[int],
-            with_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+            with_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """One step of G x T padded rows (`tokens`, `positions`: flat [G * T]; `seqs`: the cache sequence of each
         group; `ends`: each sequence's length after the step) -> hidden states of the rows `order` (flat indices,
-        batch order) [n, D], and the logits of the rows `flagged` [m, n_vocab] when `with_logits`."""
-        GT = G * T
+        batch order) [n, D], the logits of the rows `flagged` [m, n_vocab] when `with_logits`, and the rows' target
+        features [n, len(taps), D] when the context has taps (the graph of a shape is per set of taps)."""
+        GT, taps = G * T, self.ctx.taps
         real = set(order)
         write_seq = [seqs[f // T] for f in range(GT)]
         write_pos = [positions[f] if f in real else ends[write_seq[f]] for f in range(GT)]
@@ -56,8 +59,9 @@ class StepGraphs:
         with torch.inference_mode():
             idx, _, hidden = self._buffers(G, T)
             logits = self._logits(G, T) if with_logits else None
+            features = self._features(G, T, taps) if taps else None
             idx.copy_(torch.tensor(values, dtype=torch.long), non_blocking=True)
-            key = (G, T, n_kv, with_logits)
+            key = (G, T, n_kv, with_logits, taps)
             if not self.capture:
                 self._step(key)
             else:
@@ -66,8 +70,9 @@ class StepGraphs:
                     graph = self.graphs[key] = self._capture(key)
                 graph.replay()
             at = 4 * GT + G  # order, then flagged
-            rows = hidden[idx[at : at + len(order)]]
-            return rows, logits[idx[at + GT : at + GT + len(flagged)]] if with_logits else None
+            rows = idx[at : at + len(order)]
+            return (hidden[rows], logits[idx[at + GT : at + GT + len(flagged)]] if with_logits else None,
+                    features[rows] if taps else None)
 
     def _buffers(self, G: int, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(G, T) -> the index buffer [6 G T + G] int64 (tokens, positions, write sequences, write positions,
@@ -89,19 +94,30 @@ class StepGraphs:
             out = self.logits[(G, T)] = torch.zeros(G * T, self.ctx.config.n_vocab, device=device)
         return out
 
-    def _step(self, key: tuple[int, int, int, bool]) -> None:
-        """The step a graph captures: from the index buffer to the hidden (and logits) outputs."""
-        G, T, n_kv, with_logits = key
+    def _features(self, G: int, T: int, taps: tuple[int, ...]) -> torch.Tensor:
+        out = self.features.get((G, T, taps))
+        if out is None:
+            n_embd, device = self.ctx.config.n_embd, self.ctx.model.layer_devices[0]
+            out = self.features[(G, T, taps)] = torch.zeros(G * T, len(taps), n_embd, dtype=self.ctx.model.dtype,
+                                                            device=device)
+        return out
+
+    def _step(self, key: tuple[int, int, int, bool, tuple[int, ...]]) -> None:
+        """The step a graph captures: from the index buffer to the hidden (logits, features) outputs."""
+        G, T, n_kv, with_logits, taps = key
         ctx, GT = self.ctx, G * T
         idx, all_rows, hidden = self._buffers(G, T)
         tokens, positions, write_seq, write_pos, seqs = idx[: 4 * GT + G].split([GT, GT, GT, GT, G])
         plan = ctx.forward_plan(positions.view(G, T), all_rows, write_seq, write_pos, seqs, n_kv)
-        h = ctx.model.forward_hidden(tokens.view(G, T), plan, ctx.kv, step=ctx.step).reshape(GT, -1)
+        h, feats = ctx.model.forward_tapped(tokens.view(G, T), plan, ctx.kv, taps, step=ctx.step)
+        h = h.reshape(GT, -1)
         hidden.copy_(h)
+        if taps:
+            self._features(G, T, taps).copy_(feats.reshape(GT, len(taps), -1))
         if with_logits:
             self._logits(G, T).copy_(ctx.model.logits(h))
 
-    def _capture(self, key: tuple[int, int, int, bool]) -> torch.cuda.CUDAGraph:
+    def _capture(self, key: tuple[int, int, int, bool, tuple[int, ...]]) -> torch.cuda.CUDAGraph:
         """Warm up on a side stream (as torch's CUDA-graph docs ask), then capture. The warmup runs are this
         step's own: they write the same keys and values the replay writes again."""
         device = self.ctx.model.layer_devices[0]

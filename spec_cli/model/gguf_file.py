@@ -217,3 +217,20 @@ class GGUFFile:
         if not isinstance(arch, str):
             raise SpecCliError(f"{self.path.name}: GGUF has no general.architecture")
         return arch
+
+
+def copy_fields(reader, writer, select, changed: dict | None = None) -> None:
+    """Copy the metadata of a gguf.GGUFReader into a gguf.GGUFWriter with their GGUF types: the keys `select(key)`
+    accepts (never the header counters or the architecture, which the writer adds itself), with the values in
+    `changed` in place of the source's."""
+    import gguf
+
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == gguf.Keys.General.ARCHITECTURE or not select(key):
+            continue
+        value = (changed or {}).get(key, field.contents())
+        if key == gguf.Keys.General.ALIGNMENT:
+            writer.add_custom_alignment(int(value))
+            continue
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, field.types[0], sub_type)

@@ -14,9 +14,8 @@ hidden second, as llama.cpp's `ggml_concat(ctx0, e_norm, h_norm, 0)` and vLLM's 
 pre-norm hidden state (fed back as h for the next draft position) and shared_head_norm + head give the logits that
 predict token_{p+1}.
 
-`MTPContext` is a `Context` whose "model" is the head plus a per-context feed buffer: the hidden input of the row
-at (seq, p) is always feed[seq, p-1], holding the target's pre-norm hidden state for decoded target positions and
-the head's own output for positions being drafted. Everything else (KV cache, batching, rollback) is Context's.
+The head drafts in a head_context.HeadContext: its own KV plus a feed of the hidden input each row reads (the
+target's pre-norm hidden state for decoded target positions, the head's own output for positions being drafted).
 """
 
 from __future__ import annotations
@@ -30,8 +29,7 @@ from torch import nn
 
 from spec_cli.errors import SpecCliError
 from spec_cli.model.config import ModelConfig
-from spec_cli.model.context import Context
-from spec_cli.model.gguf_file import GGUFFile
+from spec_cli.model.gguf_file import GGUFFile, copy_fields
 from spec_cli.model.loader import _BLOCK_NAMES, LoadedModel, _set_param
 from spec_cli.model.qlinear import QLinear, fuse_block_projections
 from spec_cli.model.quants import load_tensor
@@ -44,7 +42,6 @@ from spec_cli.model.transformer import (
     Transformer,
     rope_tables,
 )
-from spec_cli.options import default
 
 # GGUF suffix (after "blk.{il}.") -> attribute path inside MTPHead
 NEXTN_NAMES = {
@@ -93,6 +90,13 @@ class MTPHead(nn.Module):
         h = self.hnorm(prev.to(self.dtype))  # [G, T, D]
         x = self.eh_proj(torch.cat((e, h), dim=-1).to(self.dtype))  # [G, T, D] (norms compute in float32)
         return self.block(x, plan, rope, k_cache, v_cache)
+
+    def step(self, tokens: torch.Tensor, prev: torch.Tensor, plan: ForwardPlan, k_cache, v_cache) -> torch.Tensor:
+        """`forward` at the plan's positions with the head's rope (a HeadContext's decode)."""
+        cfg = self.cfg
+        base = cfg.rope_base_swa if self.block.swa else cfg.rope_base
+        rope = rope_tables(plan.positions, plan.n_kv, cfg.rope_dim, base, cfg.rope_scale)
+        return self(tokens, prev, plan, rope, k_cache, v_cache)
 
     def normed(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., D] -> final-normed [..., D] (what the output matrix reads)."""
@@ -192,54 +196,6 @@ def _quantize(head: MTPHead) -> None:
     fuse_block_projections(head.block)
 
 
-class _HeadRunner(nn.Module):
-    """What Context needs from a model (forward_hidden, logits, devices, dtype), for one MTP head and one feed."""
-
-    def __init__(self, head: MTPHead, feed: torch.Tensor):
-        super().__init__()
-        self.head = head
-        self.feed = feed  # [n_seq, n_ctx_seq, D]
-        self.dtype = head.dtype
-        self.layer_devices = [head.device]
-        self.output_device = head.device
-
-    def forward_hidden(self, tokens: torch.Tensor, plan: ForwardPlan, kv) -> torch.Tensor:
-        """tokens [G, T] -> head pre-norm hidden [G, T, D]; each row's hidden input is feed[seq, pos - 1]."""
-        G, T = tokens.shape
-        cfg = self.head.cfg
-        prev_pos = (plan.write_pos - 1).clamp_min(0)
-        prev_rows = self.feed[plan.write_seq, prev_pos] * (plan.write_pos > 0)[:, None]  # [n_valid, D]; 0 at p=0
-        prev = torch.zeros(G * T, cfg.n_embd, dtype=self.feed.dtype, device=self.feed.device)
-        prev[plan.write_rows] = prev_rows
-        base = cfg.rope_base_swa if self.head.block.swa else cfg.rope_base
-        rope = rope_tables(plan.positions, plan.n_kv, cfg.rope_dim, base, cfg.rope_scale)
-        k_cache, v_cache = kv[0]
-        return self.head(tokens, prev.view(G, T, -1), plan, rope, k_cache, v_cache)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head.draft_logits(hidden)  # drafting is all this context decodes for
-
-
-class MTPContext(Context):
-    """The head's own KV (one layer, n_seq sequences, positions as in the target) plus its hidden-state feed."""
-
-    def __init__(self, head: MTPHead, n_ctx: int = default("ctx_size"), n_seq: int = 1,
-                 n_batch: int = default("batch_size"), n_ubatch: int = default("ubatch_size")):
-        n_ctx_seq = n_ctx // max(n_seq, 1)
-        feed = torch.zeros(n_seq, n_ctx_seq, head.cfg.n_embd, dtype=head.dtype, device=head.device)
-        runner = _HeadRunner(head, feed)
-        super().__init__(LoadedModel(runner, head.cfg, None, 0.0), n_ctx, n_seq, n_batch, n_ubatch)
-        self.head = head
-        self.feed = feed
-
-    def set_feed(self, seqs: list[int], positions: list[int], hidden: torch.Tensor) -> None:
-        """feed[seq_i, pos_i] = hidden[i] (hidden [n, D] on any device)."""
-        idx_s = torch.tensor(seqs, dtype=torch.long, device=self.feed.device)
-        idx_p = torch.tensor(positions, dtype=torch.long, device=self.feed.device)
-        self.feed[idx_s, idx_p] = hidden.to(self.feed.device, self.feed.dtype)
-
-
-
 def write_gguf_with_head(src: str | Path, dst: str | Path, head_tensors: dict[str, np.ndarray],
                          draft_vocab: list[int] | None = None) -> Path:
     """dst = src (every metadata key with its GGUF type, every tensor's raw bytes as they are) + one NextN block.
@@ -255,17 +211,7 @@ def write_gguf_with_head(src: str | Path, dst: str | Path, head_tensors: dict[st
         raise SpecCliError(f"{Path(src).name} already has NextN layers")
     il = int(reader.fields[block_key].contents())
     writer = gguf.GGUFWriter(str(dst), arch)
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == gguf.Keys.General.ARCHITECTURE:
-            continue  # header counters, and the architecture the writer adds itself
-        value = field.contents()
-        if key == gguf.Keys.General.ALIGNMENT:
-            writer.add_custom_alignment(int(value))
-        elif key == block_key:
-            writer.add_key_value(key, il + 1, field.types[0])
-        else:
-            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, value, field.types[0], sub_type)
+    copy_fields(reader, writer, lambda key: True, {block_key: il + 1})
     writer.add_uint32(nextn_key, 1)
     if draft_vocab:
         writer.add_array(DRAFT_VOCAB_KEY, [int(t) for t in draft_vocab])

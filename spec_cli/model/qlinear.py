@@ -106,7 +106,13 @@ def fuse_projections(model: nn.Module) -> None:
 def fuse_block_projections(block: nn.Module) -> None:
     """fuse_projections for one block (model.Block); its kernel descriptor is rebuilt on next use."""
     block.kernel = None
-    for owner, names, attr in ((block.attn, ("wq", "wk", "wv"), "qkv"), (block.ffn, ("w_gate", "w_up"), "gate_up")):
+    fuse_attention_ffn(block.attn, block.ffn)
+
+
+def fuse_attention_ffn(attn: nn.Module, ffn: nn.Module) -> None:
+    """q|k|v of an attention (model.Attention.qkv) and gate|up of an FFN (model.FeedForward.gate_up) as one product
+    each, where every part is a QLinear."""
+    for owner, names, attr in ((attn, ("wq", "wk", "wv"), "qkv"), (ffn, ("w_gate", "w_up"), "gate_up")):
         parts = [getattr(owner, n) for n in names]
         if not all(isinstance(m, QLinear) for m in parts):
             continue

@@ -113,6 +113,28 @@ def draw(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return (weights / noise.clamp_min_(1e-30)).argmax(dim=-1)
 
 
+def sample_restricted(logits: torch.Tensor, ids: torch.Tensor | None, n_vocab: int, params: SamplingParams,
+                      generator: torch.Generator) -> tuple[int, torch.Tensor]:
+    """One token drawn from a draft's distribution under the target's sampler settings. `logits` [n] cover the
+    tokens `ids` [n] (a draft vocabulary; None = ids 0..n-1) -> (token id, q float32 over the ids 0..n_vocab-1 with
+    `ids`, over 0..n-1 without; 0 outside `ids`): the distribution the token was drawn from, which rejection
+    sampling needs."""
+    if ids is not None:
+        logits = torch.full((n_vocab,), float("-inf"), device=logits.device).index_copy_(0, ids, logits.float())
+    probs, kept = filter_and_softmax(logits.float(), params)
+    q = probs
+    if kept is not None:
+        q = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device).scatter_(0, kept, probs)
+    return int(draw(q, generator)), q
+
+
+def draft_generator(params: SamplingParams, device: torch.device) -> torch.Generator:
+    """A drafter's generator for one request: seeded from the request's seed (+1: not the target's own stream),
+    else at random."""
+    seed = params.seed + 1 if params.seed >= 0 else int(torch.randint(0, 2**62, ()))
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 def _mix64(seed: int, position: int) -> int:
     """A 64-bit generator seed from (seed, position): splitmix64's finalizer over seed * golden ratio + position, so
     neighbouring positions and seeds get unrelated streams."""

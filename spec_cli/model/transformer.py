@@ -310,31 +310,59 @@ class Transformer(nn.Module):
         self.output_device = torch.device("cpu")
         self.dtype = torch.float32
         self._stack: kernels.BlockStack | None = None  # kernel_stack's, rebuilt when a block or window changes
+        self._tap_slots: dict[tuple[int, ...], torch.Tensor] = {}  # tap_slots' tensors
 
     def forward_hidden(self, tokens: torch.Tensor, plan: ForwardPlan, kv: list[tuple[torch.Tensor, torch.Tensor]],
-                       step=None):
+                       step=None) -> torch.Tensor:
         """tokens [G, T] -> pre-final-norm hidden states [G, T, D] (on the last layer's device). `step`, when given,
         runs the blocks' loop (compiled.CompiledStep: the same blocks in one compiled graph; one device)."""
+        return self.forward_tapped(tokens, plan, kv, (), step)[0]
+
+    def forward_tapped(self, tokens: torch.Tensor, plan: ForwardPlan, kv: list[tuple[torch.Tensor, torch.Tensor]],
+                       taps: tuple[int, ...], step=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward_hidden plus the target features a drafter asked for: the input of each layer in `taps` (ids in
+        [0, n_layer]; n_layer = the last block's output, the final pre-norm state) for every row, as features
+        [G, T, len(taps), D] on the last layer's device (None without taps: nothing is copied)."""
+        distinct = tuple(sorted(set(taps)))
+        if distinct != taps:  # each layer captured once, in order, then laid out as asked
+            hidden, out = self.forward_tapped(tokens, plan, kv, distinct, step)
+            return hidden, out[:, :, [distinct.index(layer) for layer in taps]]
         cfg = self.cfg
         x = self.tok_embd(tokens).to(self.dtype)
         if cfg.embed_scale != 1.0:
             x = x * cfg.embed_scale
         if step is not None:  # one graph for the whole loop below
-            return step(self, x, plan, kv)
+            return step(self, x, plan, kv, taps)
         stack = self.kernel_stack(x, kv)
-        if stack is not None:  # the loop below in one kernel call
+        if stack is not None:  # the loop below in one kernel call, the taps copied by it
             G, T, D = x.shape
             x = x.reshape(G * T, D).contiguous()  # the embedding's own tensor: the blocks overwrite it
-            return kernels.blocks(stack, x, self.kernel_ropes(plan.n_kv), plan.row_seq, plan.row_pos, plan.row_write,
-                                  [k for k, _ in kv], [v for _, v in kv]).view(G, T, D)
+            out = torch.empty(G * T, len(taps), D) if taps else None
+            kernels.blocks(stack, x, self.kernel_ropes(plan.n_kv), plan.row_seq, plan.row_pos, plan.row_write,
+                           [k for k, _ in kv], [v for _, v in kv], (self.tap_slots(taps), out) if taps else None)
+            return x.view(G, T, D), out.view(G, T, len(taps), D) if taps else None
+        tapped: dict[int, torch.Tensor] = {}
         plans: dict[torch.device, tuple] = {}
-        for layer, device, (k_cache, v_cache) in zip(self.layers, self.layer_devices, kv):
+        for i, (layer, device, (k_cache, v_cache)) in enumerate(zip(self.layers, self.layer_devices, kv)):
+            if i in taps:
+                tapped[i] = x  # each block returns a new tensor: this one is not written again
             if device not in plans:
                 p = plan if plan.positions.device == device else plan.to(device)
                 plans[device] = (p, self.ropes(p.positions, p.n_kv))
             p, ropes = plans[device]
             x = layer(x.to(device), p, ropes[layer.swa], k_cache, v_cache)
-        return x
+        tapped[len(self.layers)] = x
+        return x, torch.stack([tapped[i].to(x.device) for i in taps], dim=2) if taps else None
+
+    def tap_slots(self, taps: tuple[int, ...]) -> torch.Tensor:
+        """[n_layer + 1] int32: the slot of each tapped layer in `taps`, -1 elsewhere (kernels.blocks' taps); made
+        once per set of taps."""
+        slots = self._tap_slots.get(taps)
+        if slots is None:
+            slots = self._tap_slots[taps] = torch.full((len(self.layers) + 1,), -1, dtype=torch.int32)
+            for slot, layer in enumerate(taps):
+                slots[layer] = slot
+        return slots
 
     def kernel_stack(self, x: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> "kernels.BlockStack | None":
         """Every block on the kernels in one call, or None where one block is not (float weights, CUDA, -ngl

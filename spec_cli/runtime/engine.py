@@ -12,11 +12,14 @@ from pathlib import Path
 
 import torch
 
-from spec_cli.errors import SpecCliError, UsageError
+from spec_cli.errors import UsageError
 from spec_cli.model.context import Context
+from spec_cli.model.gguf_file import GGUFFile
+from spec_cli.model.head_context import HeadContext
 from spec_cli.model.loader import LoadedModel, load_model
-from spec_cli.model.mtp_head import MTPContext, load_mtp_head
 from spec_cli.options import DEFAULT_GPU_LAYERS, default
+from spec_cli.runtime import memory
+from spec_cli.runtime.draft_files import draft_kind, head_device, load_eagle3, load_mtp, md_type
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.verify_costs import CostModel
 from spec_cli.speculative.vocab_bridge import VocabBridge, vocab_bridge
@@ -51,7 +54,9 @@ class Engine:
     ctx: Context
     draft: LoadedModel | None = None
     draft_ctx: Context | None = None
-    mtp_ctx: MTPContext | None = None  # the target's NextN head with its own KV (draft-mtp)
+    mtp_ctx: HeadContext | None = None  # the target's NextN head with its own KV (draft-mtp)
+    eagle3_ctx: HeadContext | None = None  # the EAGLE-3 head of -md with its own KV (draft-eagle3)
+    draft_file: Path | None = None  # the -md file the drafters read (a draft model, an EAGLE-3 head, an MTP model)
     costs: CostModel = field(default_factory=CostModel)  # --draft-max auto: the target's verify cost, calibrated once
     draft_bridge: VocabBridge | None = None  # a draft model with another vocabulary than the target's
 
@@ -62,7 +67,7 @@ class Engine:
     @property
     def contexts(self) -> list[Context]:
         """Every KV cache the engine holds."""
-        return [ctx for ctx in (self.ctx, self.draft_ctx, self.mtp_ctx) if ctx is not None]
+        return [ctx for ctx in (self.ctx, self.draft_ctx, self.mtp_ctx, self.eagle3_ctx) if ctx is not None]
 
 
 def resolve(value: str | None) -> Path:
@@ -79,12 +84,18 @@ def verify_cost_cache() -> Path:
 
 
 def implied_spec(opts: EngineOptions) -> SpecParams:
-    """The speculation settings the options amount to: -md alone enables draft-simple (llama.cpp #25345)."""
+    """The speculation settings the options amount to: -md adds the spec type of its file's kind (draft-simple for
+    a model, as -md alone did in llama.cpp #25345; draft-eagle3 for an eagle3 file; draft-mtp for a model with NextN
+    layers, llama.cpp #26814)."""
     spec = opts.spec
-    if opts.model_draft and "draft-simple" not in spec.types:
-        spec = replace(spec, types=[*spec.types, "draft-simple"])
-    if "draft-simple" in spec.types and not opts.model_draft:
+    if opts.model_draft:
+        kind = md_type(spec.types, resolve(opts.model_draft))
+        if kind not in spec.types:
+            spec = replace(spec, types=[*spec.types, kind])
+    elif "draft-simple" in spec.types:
         raise UsageError("--spec-type draft-simple needs a draft model (-md FILE|NAME)")
+    elif "draft-eagle3" in spec.types:
+        raise UsageError("--spec-type draft-eagle3 needs an EAGLE-3 draft (-md FILE, e.g. from spec-cli draft-train)")
     return spec
 
 
@@ -94,27 +105,50 @@ def build_engine(opts: EngineOptions) -> Engine:
     if opts.threads:
         torch.set_num_threads(opts.threads)
     opts = replace(opts, spec=implied_spec(opts))
-    target = load_target(opts)
+    target_file = GGUFFile(resolve(opts.model))
+    draft_file = GGUFFile(resolve(opts.model_draft)) if "draft-simple" in opts.spec.types else None
+    if not sharded(opts):  # a shard's memory is its rank's
+        memory.check_fits(memory.estimate(opts, target_file, draft_file, head_file(opts, target_file)), opts)
+    target = load_target(opts, target_file)
     tokenizer = Tokenizer.from_metadata(target.gguf.metadata)
     draft = bridge = None
-    if "draft-simple" in opts.spec.types:
-        draft = load_model(resolve(opts.model_draft), opts.device_draft or opts.device, opts.n_gpu_layers_draft,
-                           opts.dtype)
+    if draft_file is not None:
+        draft = load_model(draft_file, opts.device_draft or opts.device, opts.n_gpu_layers_draft, opts.dtype)
         bridge = vocab_bridge(tokenizer, Tokenizer.from_metadata(draft.gguf.metadata), draft.gguf.metadata)
     return assemble_engine(opts, target, tokenizer, draft, bridge)
 
 
-def load_target(opts: EngineOptions) -> LoadedModel:
-    """The target whole, or with -tp N (or under torchrun) rank 0's shard, its followers loading theirs."""
+def head_file(opts: EngineOptions, target_file: GGUFFile) -> tuple[str, GGUFFile] | None:
+    """The head the spec types load and the file it comes from: draft-mtp's NextN layers (-md's model file, else the
+    target's), draft-eagle3's -md file."""
+    md = resolve(opts.model_draft) if opts.model_draft else None
+    if "draft-eagle3" in opts.spec.types and md is not None:
+        return "draft-eagle3", GGUFFile(md)
+    if "draft-mtp" in opts.spec.types:
+        return "draft-mtp", GGUFFile(md) if md and draft_kind(md) == "draft-mtp" else target_file
+    return None
+
+
+def sharded(opts: EngineOptions) -> bool:
+    """-tp N (or torchrun): the target is split over ranks."""
     from spec_cli.model.parallel import comm as tp_comm
+
+    return tp_comm.world_size(opts.tensor_parallel) > 1
+
+
+def load_target(opts: EngineOptions, target_file: GGUFFile | None = None) -> LoadedModel:
+    """The target (from `target_file` where it is open already) whole, or with -tp N (or under torchrun) rank 0's
+    shard, its followers loading theirs."""
     from spec_cli.model.parallel import tensor_parallel
 
-    if tp_comm.world_size(opts.tensor_parallel) == 1:
-        return load_model(resolve(opts.model), opts.device, opts.n_gpu_layers, opts.dtype)
+    if not sharded(opts):
+        return load_model(target_file or resolve(opts.model), opts.device, opts.n_gpu_layers, opts.dtype)
     if opts.n_gpu_layers != DEFAULT_GPU_LAYERS:
         raise UsageError("-tp puts every block on its rank's device: -ngl cannot be combined with it")
-    if "draft-mtp" in opts.spec.types:
-        raise UsageError("--spec-type draft-mtp reads the target's NextN head, which -tp does not shard")
+    for kind in ("draft-mtp", "draft-eagle3"):
+        if kind in opts.spec.types:
+            raise UsageError(f"--spec-type {kind} reads the target's hidden states, which -tp's shards do not "
+                             "return")
     return tensor_parallel.load_target(resolve(opts.model), opts.device, opts.dtype, opts.tensor_parallel,
                                        opts.threads)
 
@@ -128,14 +162,19 @@ def assemble_engine(opts: EngineOptions, target: LoadedModel, tokenizer: Tokeniz
     ctx = context_class(target)(target, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch, compile=opts.compile)
     # the draft context has the target's n_ctx (a smaller one crashed llama.cpp, #22554)
     draft_ctx = Context(draft, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch, compile=opts.compile) if draft else None
-    mtp_ctx = None
+    mtp_ctx = eagle3_ctx = None
+    md = resolve(opts.model_draft) if opts.model_draft else None
     if "draft-mtp" in opts.spec.types:
-        head = load_mtp_head(target)
-        if head is None:
-            raise SpecCliError("--spec-type draft-mtp needs a model with an MTP (NextN) head; this model has none "
-                               "(spec-cli mtp-train can distill one)")
-        mtp_ctx = MTPContext(head, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
-    return Engine(target, tokenizer, ctx, draft, draft_ctx, mtp_ctx, CostModel(verify_cost_cache()), draft_bridge)
+        head = load_mtp(md if md and draft_kind(md) == "draft-mtp" else None, target)
+        mtp_ctx = HeadContext(head, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
+    if "draft-eagle3" in opts.spec.types:
+        if md is None:
+            raise UsageError("--spec-type draft-eagle3 needs an EAGLE-3 draft (-md FILE, e.g. from spec-cli "
+                             "draft-train)")
+        head = load_eagle3(md, target, tokenizer, head_device(opts.device, opts.device_draft, opts.n_gpu_layers_draft))
+        eagle3_ctx = HeadContext(head, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
+    return Engine(target, tokenizer, ctx, draft, draft_ctx, mtp_ctx, eagle3_ctx, md, CostModel(verify_cost_cache()),
+                  draft_bridge)
 
 
 def context_class(loaded: LoadedModel) -> type[Context]:

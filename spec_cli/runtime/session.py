@@ -6,7 +6,7 @@
 
 A session owns what a configuration changes: the drafters the registry builds for its spec types (fresh, with
 empty n-gram state), the adaptive planner for --draft-max auto, and whether the target keeps its hidden states
-for a drafter that reads them (draft-mtp). Sessions share their engine's KV caches, so one lives at a time; other
+for the drafters that read them (draft-mtp, draft-eagle3). Sessions share their engine's KV caches, so one lives at a time; other
 settings mean a new session (`renew`), never an assignment into the engine.
 """
 
@@ -33,8 +33,8 @@ class Session:
         synthetic drafter); renewed sessions build theirs with it too."""
         self.engine, self.spec, self.make_drafters = engine, spec, make_drafters
         self.chain = build_chain(engine, spec, make_drafters)
-        # set either way, so a capture an earlier session's draft-mtp turned on does not outlive it
-        engine.ctx.capture_hidden = self.chain is not None and any(d.reads_target_hidden for d in self.chain.drafters)
+        # set either way, so features an earlier session's drafters asked for are not captured past it
+        engine.ctx.set_taps(layer for d in (self.chain.drafters if self.chain else []) for layer in d.target_layers())
 
     @property
     def types(self) -> list[str]:
@@ -86,9 +86,8 @@ class Session:
         return fresh
 
     def close(self) -> None:
-        """Stop the target keeping hidden states for this session's drafters."""
-        self.engine.ctx.capture_hidden = False
-        self.engine.ctx.last_hidden = None
+        """Stop the target capturing features for this session's drafters."""
+        self.engine.ctx.set_taps(())
 
 
 def open_session(opts: EngineOptions) -> Session:
@@ -102,7 +101,8 @@ def build_chain(engine: Engine, spec: SpecParams, make_drafters: DrafterMaker | 
     order (or those `make_drafters` builds); with --draft-max auto, a fresh planner for them on the engine's cost
     model."""
     n_seq = engine.ctx.n_seq
-    inputs = DrafterInputs(spec, n_seq, engine.ctx, engine.draft_ctx, engine.draft_bridge, engine.mtp_ctx)
+    inputs = DrafterInputs(spec, n_seq, engine.ctx, engine.draft_ctx, engine.mtp_ctx, engine.eagle3_ctx,
+                           engine.draft_bridge)
     drafters = make_drafters(inputs) if make_drafters is not None else build_drafters(spec.types, inputs)
     if not drafters:
         return None

@@ -13,7 +13,18 @@ Lifecycle per sequence, as in llama.cpp's common/speculative.h:
   catch_up(params)          optional: called just before draft(params) and timed apart from it, for a drafter that
                             brings a lagging cache up to date (the adaptive planner prices drafted tokens by draft())
   min_length(p)             optional: the shortest draft worth verifying; a draft the chain cuts shorter is dropped
-`Drafter` declares every hook, the optional ones as no-ops; a drafter type is made known to `--spec-type` by
+  target_layers()           optional: the target layers whose inputs `process` reads (Context.features_of)
+Slot files (the server's /slots/{id}?action=save|restore|erase, runtime/slot_file.py):
+  save_state(seq)           what the drafter holds for sequence seq (and the shared state drafting it depends on) as
+                            named numpy arrays, so that restore_state in a fresh process continues exactly as this one
+  restore_state(seq, state, n_vocab)  puts it back (StateError for a state that does not fit: token ids must lie
+                            within the target's n_vocab); after a StateError the caller forgets the sequence, so
+                            a state found wrong half way is never used
+  forget(seq)               drops what it holds for seq (the slot was erased: its target cache is empty)
+  slot_info(seq)            a few counts for /props' per-slot state
+`Drafter` declares every hook, the optional ones as no-ops; save_state / restore_state refuse (StateUnsupported) in a
+drafter that does not implement them: a slot file without its state would continue differently, and silently (a
+stateless drafter returns {} and ignores what it is given). A drafter type is made known to `--spec-type` by
 `speculative.registry.register_drafter`. Drafters keep no statistics: the chain wraps every call with counters and
 timers.
 """
@@ -23,10 +34,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
+from spec_cli.errors import SpecCliError
 from spec_cli.model.batch import Batch
+from spec_cli.model.state_arrays import State, ints, scalar, token_ids
 from spec_cli.options import DRAFT_MAX, default
+
+
+class StateUnsupported(SpecCliError):
+    """A drafter that cannot save or restore its per-sequence state (a plugin's, without save_state)."""
+
+    def __init__(self, name: str):
+        super().__init__(f"drafter '{name}' does not implement save_state / restore_state (speculative/base.py "
+                         "Drafter), so a slot restored from a file could not continue as it would have; a stateless "
+                         "drafter returns {} from save_state and ignores what restore_state is given")
 
 
 @dataclass
@@ -93,9 +116,12 @@ class Drafter:
     # Drafting costs next to nothing (a lookup in the history). With --spec-select gain every cheap drafter proposes
     # and the best proposal wins; a drafter that pays a forward per drafted token is asked only where none proposed.
     cheap = True
-    # process() reads the target's hidden states of every decoded row (Context.last_hidden): the session keeps
-    # the target capturing them while a chain holding such a drafter lives (they cost memory otherwise)
-    reads_target_hidden = False
+
+    def target_layers(self) -> tuple[int, ...]:
+        """The target layers whose inputs process() reads for every decoded row (target features on request: id
+        n_layer is the final pre-norm state). The session has the target capture them while a chain holding this
+        drafter lives (Context.set_taps); none, the default, costs nothing."""
+        return ()
 
     def begin(self, seq: int, prompt: list[int]) -> None:
         pass
@@ -122,6 +148,18 @@ class Drafter:
 
     def end(self, seq: int, output: list[int]) -> None:
         pass
+
+    def save_state(self, seq: int) -> State:
+        raise StateUnsupported(self.name)
+
+    def restore_state(self, seq: int, state: State, n_vocab: int) -> None:
+        raise StateUnsupported(self.name)
+
+    def forget(self, seq: int) -> None:
+        pass
+
+    def slot_info(self, seq: int) -> dict:
+        return {}
 
 
 class HistoryDrafter(Drafter):
@@ -166,3 +204,15 @@ class TargetCache:
             self.settled[seq] = flagged + 1
             starts[seq] = p0
         return starts
+
+    def save_state(self, seq: int) -> State:
+        return {"tokens": ints(self.tokens[seq]), "batch_pos0": np.asarray(self.batch_pos0[seq]),
+                "settled": np.asarray(self.settled[seq])}
+
+    def restore_state(self, seq: int, state: State, n_vocab: int) -> None:
+        known = token_ids(state, "tokens", n_vocab).tolist()
+        pos0, settled = scalar(state, "batch_pos0"), scalar(state, "settled")
+        self.tokens[seq], self.batch_pos0[seq], self.settled[seq] = known, pos0, settled
+
+    def forget(self, seq: int) -> None:
+        self.tokens[seq], self.batch_pos0[seq], self.settled[seq] = [], 0, 0

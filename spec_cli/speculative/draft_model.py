@@ -18,16 +18,21 @@ distribution under the target's sampler settings and returns those distributions
 A draft model with another vocabulary than the target's (vocab_bridge.py) reads the target's tokens translated into
 its own (the draft cache then holds the translation, by draft position) and drafts until its top token has no
 counterpart in the target's vocabulary.
+A slot file holds a sequence's draft cache (KV and tokens), its mirror of the target cache, its window offset and idle
+count, and the tokens the draft vocabulary was shown (shared by the sequences); the sampling generator is not kept
+(each request starts its own, at `begin`), nor the translation of the target's tokens (made again from them).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from spec_cli.errors import SpecCliError
+from spec_cli.errors import SpecCliError, StateError
 from spec_cli.model.batch import Batch
 from spec_cli.model.context import Context
-from spec_cli.model.sampling import draw, filter_and_softmax
+from spec_cli.model.sampling import draft_generator, sample_restricted
+from spec_cli.model.state_arrays import State, counters, ints, prefixed, scalar, token_ids, within
 from spec_cli.speculative.base import Drafter, DraftParams, SpecParams, TargetCache
 from spec_cli.speculative.draft_vocab import DraftVocab
 from spec_cli.speculative.vocab_bridge import VocabBridge
@@ -168,24 +173,48 @@ class DraftModelDrafter(Drafter):
         """One draft token drawn from q = the draft's distribution under the target's sampler chain (with another
         vocabulary: among the tokens that have a counterpart, q then over the target's vocabulary)."""
         if self.rng[seq] is None:
-            seed = sampling.seed + 1 if sampling.seed >= 0 else int(torch.randint(0, 2**62, ()))
-            self.rng[seq] = torch.Generator(device=logits.device).manual_seed(seed)
-        if self.vocab is not None:  # the draft vocabulary's logits in place, -inf elsewhere: q is 0 outside it
-            logits = torch.full((self.ctx.config.n_vocab,), float("-inf"), device=logits.device).index_copy_(
-                0, self.vocab.ids, logits.float())
-        if self.bridge is not None:
-            logits = logits.float().masked_fill(self.bridge.unmapped_mask(logits.device), float("-inf"))
-        probs, ids = filter_and_softmax(logits.float(), sampling)
-        q = torch.zeros_like(logits, dtype=torch.float32)
-        if ids is None:
-            q = probs
-        else:
-            q.scatter_(0, ids, probs)
-        token = int(draw(q, self.rng[seq]))
-        return token, q if self.bridge is None else self.bridge.target_distribution(q)
+            self.rng[seq] = draft_generator(sampling, logits.device)
+        ids = self.vocab.ids if self.vocab is not None else None
+        if self.bridge is None:
+            return sample_restricted(logits, ids, self.ctx.config.n_vocab, sampling, self.rng[seq])
+        unmapped = self.bridge.unmapped_mask(logits.device)  # q is 0 on the draft tokens without a counterpart
+        logits = logits.float().masked_fill(unmapped if ids is None else unmapped[ids], float("-inf"))
+        token, q = sample_restricted(logits, ids, self.ctx.config.n_vocab, sampling, self.rng[seq])
+        return token, self.bridge.target_distribution(q)
 
     def min_length(self, p: DraftParams) -> int:
         return p.min_length(self.params)
+
+    def save_state(self, seq: int) -> State:
+        return {**prefixed("kv/", self.ctx.seq_state(seq)), "cached": ints(self._synced(seq)),
+                **prefixed("target/", self.target_cache.save_state(seq)),
+                "counters": np.asarray([self.offset[seq], self.idle[seq]]),
+                "vocab_seen": ints(self.vocab.seen() if self.vocab is not None else [])}
+
+    def restore_state(self, seq: int, state: State, n_vocab: int) -> None:
+        cached = token_ids(state, "cached", self.ctx.config.n_vocab).tolist()
+        seen = token_ids(state, "vocab_seen", self.ctx.config.n_vocab).tolist()
+        offset, idle = counters(state, "counters", 2)
+        kv = within(state, "kv/")
+        if scalar(kv, "length") != len(cached):
+            raise StateError(f"'cached' holds {len(cached)} tokens, the draft cache {int(kv['length'])}")
+        self.target_cache.restore_state(seq, within(state, "target/"), n_vocab)
+        if offset > len(self.target_cache.tokens[seq]):
+            raise StateError(f"the draft window starts at {offset}, past the {len(self.target_cache.tokens[seq])} "
+                             "target positions")
+        self.ctx.restore_seq(seq, kv)
+        self.cached[seq], self.offset[seq], self.idle[seq], self.rng[seq] = cached, offset, idle, None
+        if self.vocab is not None:
+            self.vocab.see(seen)
+
+    def forget(self, seq: int) -> None:
+        self._trim(seq, 0)
+        self.target_cache.forget(seq)
+        self.offset[seq] = self.idle[seq] = 0
+        self.rng[seq] = None
+
+    def slot_info(self, seq: int) -> dict:
+        return {"n_kv": self.ctx.lengths[seq]}
 
     def _synced(self, seq: int) -> list[int]:
         """Cached tokens of a sequence, cut to what the draft context still holds (it may have been cleared)."""

@@ -12,10 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from spec_cli.model.context import Context
-from spec_cli.model.mtp_head import MTPContext
+from spec_cli.model.head_context import HeadContext
 from spec_cli.options import add_drafter_type, drafter_types
 from spec_cli.speculative.base import Drafter, SpecParams
 from spec_cli.speculative.draft_model import DraftModelDrafter
+from spec_cli.speculative.eagle3 import Eagle3Drafter
 from spec_cli.speculative.mtp import MTPDrafter
 from spec_cli.speculative.ngram_cache import NgramCacheDrafter
 from spec_cli.speculative.ngram_map import NgramMapK4vDrafter, NgramMapKDrafter
@@ -33,8 +34,9 @@ class DrafterInputs:
     n_seq: int
     target: Context  # draft-mtp reads the target's hidden states
     draft: Context | None = None  # the draft model's (-md), for draft-simple
-    draft_bridge: VocabBridge | None = None  # its vocabulary to the target's, when they differ
-    mtp: MTPContext | None = None  # the target's NextN head with its own KV, for draft-mtp
+    mtp: HeadContext | None = None  # the target's NextN head with its own KV, for draft-mtp
+    eagle3: HeadContext | None = None  # the EAGLE-3 head (-md) with its own KV, for draft-eagle3
+    draft_bridge: VocabBridge | None = None  # the draft model's vocabulary to the target's, when they differ
 
 
 DrafterFactory = Callable[[DrafterInputs], Drafter]
@@ -45,6 +47,7 @@ _FACTORIES: dict[str, DrafterFactory] = {  # the built-in types of options.py, b
                    SuffixDrafter)},
     "draft-simple": lambda inputs: DraftModelDrafter(inputs.draft, inputs.params, inputs.n_seq, inputs.draft_bridge),
     "draft-mtp": lambda inputs: MTPDrafter(inputs.mtp, inputs.target, inputs.params, inputs.n_seq),
+    "draft-eagle3": lambda inputs: Eagle3Drafter(inputs.eagle3, inputs.target, inputs.params, inputs.n_seq),
 }
 
 
@@ -65,4 +68,3 @@ def build_drafters(types: list[str], inputs: DrafterInputs) -> list[Drafter]:
                 raise TypeError(f"the factory of drafter type '{name}' built a drafter named '{drafter.name}'")
             drafters.append(drafter)
     return drafters
-

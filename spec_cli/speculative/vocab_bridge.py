@@ -1,6 +1,6 @@
 """A draft model whose vocabulary is not the target's: drafting through the tokens the two vocabularies share.
 
-llama.cpp refuses such a pair (`common_speculative_are_compatible`, `check_vocab_compatible` below); here a pair that
+llama.cpp refuses such a pair (`common_speculative_are_compatible`, `vocab_differences` below); here a pair that
 fails that check drafts through a VocabBridge instead, and only a pair with too few shared tokens is refused.
 
 Two directions, two rules:
@@ -34,7 +34,7 @@ MIN_SHARED = 0.5  # below this share of them a draft would end after a token or 
 Key = tuple[str, bytes]  # ("text", a control token's text) or ("bytes", what an ordinary token decodes to)
 
 
-def check_vocab_compatible(target_tok, draft_tok) -> list[str]:
+def vocab_differences(target_tok: Tokenizer, draft_tok: Tokenizer) -> list[str]:
     """llama.cpp `common_speculative_are_compatible`: the differences that make two vocabularies not one (empty: the
     draft's token ids are the target's)."""
     problems = []
@@ -55,10 +55,18 @@ def check_vocab_compatible(target_tok, draft_tok) -> list[str]:
     return problems
 
 
+def require_same_vocabulary(target_tok: Tokenizer, draft_tok: Tokenizer) -> None:
+    """For a draft that reads the target's token ids as they are (an EAGLE-3 head): SpecCliError naming the
+    differences where its vocabulary is another."""
+    problems = vocab_differences(target_tok, draft_tok)
+    if problems:
+        raise SpecCliError("draft vocabulary is not compatible with the target: " + "; ".join(problems))
+
+
 def vocab_bridge(target_tok: Tokenizer, draft_tok: Tokenizer, draft_meta) -> VocabBridge | None:
     """None where the draft model shares the target's vocabulary (llama.cpp's check), else the bridge between them;
     SpecCliError with the figures where too few of the draft's common tokens have a counterpart."""
-    problems = check_vocab_compatible(target_tok, draft_tok)
+    problems = vocab_differences(target_tok, draft_tok)
     if not problems:
         return None
     bridge = VocabBridge(target_tok, draft_tok)

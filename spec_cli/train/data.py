@@ -1,8 +1,7 @@
-"""Training data of `spec-cli mtp-train` (mtp_train.py), read at run time, nothing downloaded: the Python standard
-library's sources and its docs (pydoc_data.topics), cut into token windows, and the target's own greedy answers to
-requests about snippets of it. Files are split by a hash of their name: held-out files are never trained on, and
-the acceptance estimate is measured on them; the standard-library files the built-in prompt sets quote are left
-out.
+"""Training data of `spec-cli draft-train` (cli/draft_train.py), read at run time, nothing downloaded: the Python
+standard library's sources and its docs (pydoc_data.topics), cut into token windows, and the target's own greedy
+answers to requests. Files are split by a hash of their name: held-out files are never trained on, and the acceptance
+estimate is measured on them; the standard-library files the built-in prompt sets quote are left out.
 """
 
 from __future__ import annotations
@@ -17,10 +16,9 @@ from pathlib import Path
 import torch
 
 from spec_cli.errors import SpecCliError
+from spec_cli.model.batch import Batch
 from spec_cli.model.context import Context
 from spec_cli.model.loader import LoadedModel
-from spec_cli.model.sampling import SamplingParams
-from spec_cli.runtime.generate import Generator
 from spec_cli.text.prompt_sets import quoted_stdlib_files
 from spec_cli.text.tokenizer import Tokenizer
 
@@ -127,22 +125,89 @@ def generation_prompts(tokenizer: Tokenizer, snippets: torch.Tensor, length: int
 
 def greedy_continuations(loaded: LoadedModel, prompts: torch.Tensor, n_new: int, progress: ProgressFn | None = None,
                          n_par: int = 32) -> torch.Tensor:
-    """prompts [N, P] -> [N, P + n_new]: the target's own greedy continuations through the shared Generator, n_par
-    sequences per step. No token counts as end-of-generation, so every continuation is n_new tokens long."""
-    out = []
-    N, P = prompts.shape
-    greedy = SamplingParams(temp=0.0)
-    for b0 in range(0, N, n_par):
-        chunk = prompts[b0 : b0 + n_par].tolist()
-        ctx = Context(loaded, n_ctx=len(chunk) * (P + n_new), n_seq=len(chunk), n_batch=len(chunk) * P)
-        gen = Generator(ctx, eog_ids=set())
-        for s, ids in enumerate(chunk):
-            ids += gen.start(s, ids, greedy, n_predict=n_new).tokens
-        for i in range(n_new):
-            if i:
-                for e in gen.step():
-                    chunk[e.seq] += e.tokens
-            if progress:
-                progress(Progress("generate", b0 * n_new + (i + 1) * len(chunk), N * n_new, {}))
-        out.extend(chunk)
-    return torch.tensor(out, dtype=torch.long)
+    """prompts [N, P] -> [N, P + n_new]: the target's own greedy continuations, n_par sequences per step. No token
+    counts as end-of-generation, so every continuation is n_new long."""
+    return greedy_answers(loaded, prompts.tolist(), prompts.shape[1] + n_new, progress=progress, n_par=n_par).tokens
+
+
+@dataclass
+class Answers:
+    """Windows of a prompt and the target's greedy answer (CPU tensors)."""
+
+    tokens: torch.Tensor  # [N, T] int64
+    features: torch.Tensor | None  # [N, T, len(taps), D] the tapped layers' inputs at every position (taps given)
+    answered: torch.Tensor  # [N, T] bool: the target chose the next token (answer positions, up to its end of text)
+
+
+def greedy_answers(loaded: LoadedModel, prompts: list[list[int]], length: int, taps: tuple[int, ...] = (),
+                   eog: frozenset[int] = frozenset(), progress: ProgressFn | None = None, n_par: int = 32,
+                   store: torch.dtype | None = None) -> Answers:
+    """Each prompt (shorter than `length`) followed by the target's greedy answer up to `length` tokens, n_par
+    sequences per decode; with `taps` the target features of every position are kept too (from the very decodes
+    that generate: the last token is decoded for its features). Tokens after an end-of-generation token in `eog`
+    are the target's continuation all the same, but not `answered`."""
+    N = len(prompts)
+    tokens = torch.zeros(N, length, dtype=torch.long)
+    answered = torch.zeros(N, length, dtype=torch.bool)
+    features = None
+    for g0 in range(0, N, n_par):
+        group = [list(p) for p in prompts[g0 : g0 + n_par]]
+        if min(map(len, group)) < 1 or max(map(len, group)) >= length:
+            raise SpecCliError(f"generation prompts must hold 1 to {length - 1} tokens")
+        ctx = Context(loaded, n_ctx=len(group) * (length + 1), n_seq=len(group), n_batch=len(group) * length)
+        ctx.set_taps(taps)
+        rows = _generate_group(ctx, group, length, taps, progress, (g0 * length, N * length))
+        if taps:
+            if features is None:
+                features = torch.zeros(N, length, len(taps), loaded.config.n_embd, dtype=store or rows.dtype)
+            features[g0 : g0 + len(group)] = rows
+        for i, seq in enumerate(group):
+            tokens[g0 + i] = torch.tensor(seq)
+            n_prompt = len(prompts[g0 + i])
+            ends = [p for p in range(n_prompt, length) if seq[p] in eog]
+            answered[g0 + i, n_prompt - 1 : (ends[0] if ends else length - 1)] = True
+    return Answers(tokens, features, answered)
+
+
+def _generate_group(ctx: Context, seqs: list[list[int]], length: int, taps: tuple[int, ...],
+                    progress: ProgressFn | None, done_total: tuple[int, int]) -> torch.Tensor | None:
+    """Extend every sequence in place to `length` tokens by greedy decoding on ctx (one sequence per cache
+    sequence, ctx tapping `taps`); -> the features of `taps` at every position [n, length, len(taps), D] (the last
+    token decoded for its features), None without taps."""
+    decode_last = bool(taps)
+    feats = [[None] * length for _ in seqs] if taps else None
+    batch = Batch()
+    for s, seq in enumerate(seqs):
+        for p, tok in enumerate(seq):
+            batch.add(tok, p, s, p == len(seq) - 1)
+    while len(batch):
+        out = ctx.decode(batch)
+        flagged = [i for i, f in enumerate(batch.logits) if f]
+        best = out.logits.argmax(-1).tolist()
+        if feats is not None:
+            tapped = ctx.features_of(taps)
+            for i, (s, p) in enumerate(zip(batch.seq_ids, batch.pos)):
+                feats[s][p] = tapped[i]
+        step = Batch()
+        for k, i in enumerate(flagged):
+            s = batch.seq_ids[i]
+            if len(seqs[s]) < length:
+                seqs[s].append(best[k])
+            if len(seqs[s]) < length or (decode_last and batch.pos[i] < length - 1):
+                step.add(seqs[s][-1], batch.pos[i] + 1, s, len(seqs[s]) < length)
+        batch = step
+        if progress:
+            progress(Progress("generate", done_total[0] + sum(map(len, seqs)), done_total[1], {}))
+    return torch.stack([torch.stack(f) for f in feats]) if feats is not None else None
+
+
+def cached(path: Path, key: dict, resume: bool, build: Callable[[], dict]) -> dict:
+    """`build()`'s tensors, read back from `path` when resuming with the same data settings (`key`), else built and
+    saved there (a run resumed with other settings builds its data again)."""
+    saved = torch.load(path) if resume and path.exists() else None
+    if saved is not None and saved["key"] == key:
+        return saved["data"]
+    data = build()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"key": key, "data": data}, path)
+    return data

@@ -18,7 +18,6 @@ the checkpoint; training steps then only run the head.
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -37,12 +36,14 @@ from spec_cli.text.tokenizer import Tokenizer
 from spec_cli.train.data import (
     Progress,
     ProgressFn,
+    cached,
     generation_prompts,
     greedy_continuations,
     is_held_out,
     stdlib_documents,
     token_windows,
 )
+from spec_cli.train.loop import Loop, TrainResult, window_batches
 from spec_cli.train.mtp_features import Features, head_forward, shifted, target_features
 
 
@@ -159,25 +160,6 @@ def acceptance_estimate(head: MTPHead, feats: Features, batch: int) -> float:
 # --- the whole run ------------------------------------------------------------------------------------------
 
 
-@dataclass
-class TrainResult:
-    out_path: Path
-    steps: int
-    train_tokens: int
-    gen_tokens: int
-    eval_tokens: int
-    seconds: float
-    loss_first: float | None  # None when no step ran (a resumed run that was already complete)
-    loss_last: float | None
-    acc_before: float  # held-out first-position agreement before this run's steps (the init, or the checkpoint)
-    acc_after: float
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["out_path"] = str(self.out_path)
-        return d
-
-
 def build_data(loaded: LoadedModel, cfg: TrainConfig, progress: ProgressFn | None) -> tuple[Features, Features]:
     """Training and held-out features (target run once over text windows + its own continuations)."""
     rng = random.Random(cfg.seed)
@@ -201,21 +183,6 @@ def build_data(loaded: LoadedModel, cfg: TrainConfig, progress: ProgressFn | Non
     return feats, held_feats
 
 
-def cached_data(loaded: LoadedModel, cfg: TrainConfig, path: Path, resume: bool,
-                progress: ProgressFn | None) -> tuple[Features, Features]:
-    """build_data's features, read back from `path` when resuming with the same data settings, else built and
-    saved there."""
-    data_key = {k: v for k, v in asdict(cfg).items() if k in ("seq_len", "batch", "data_tokens", "gen_tokens",
-                                                               "eval_tokens", "seed")}
-    cached = torch.load(path) if resume and path.exists() else None
-    if cached is not None and cached["key"] == data_key:
-        return Features(**cached["train"]), Features(**cached["held"])
-    feats, held = build_data(loaded, cfg, progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"key": data_key, "train": asdict(feats), "held": asdict(held)}, path)
-    return feats, held
-
-
 def train(loaded: LoadedModel, out_path: str | Path, cfg: TrainConfig, progress: ProgressFn | None = None,
           resume: bool = False) -> TrainResult:
     """Train a NextN head on the frozen target and write out_path = the model's GGUF + the head."""
@@ -223,38 +190,23 @@ def train(loaded: LoadedModel, out_path: str | Path, cfg: TrainConfig, progress:
     out_path = Path(out_path)
     torch.manual_seed(cfg.seed)
     device = loaded.model.output_device
-    ckpt_path = out_path.with_suffix(".ckpt.pt")
-    feats, held = cached_data(loaded, cfg, out_path.with_suffix(".features.pt"), resume, progress)
+    data_key = {k: v for k, v in asdict(cfg).items() if k in ("seq_len", "batch", "data_tokens", "gen_tokens",
+                                                               "eval_tokens", "seed")}
+    data = cached(out_path.with_suffix(".features.pt"), data_key, resume,
+                  lambda: dict(zip(("train", "held"), (asdict(f) for f in build_data(loaded, cfg, progress)))))
+    feats, held = Features(**data["train"]), Features(**data["held"])
     head = init_head(loaded, feats, cfg.ridge, device)
-    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
-    warmup = max(1, min(20, cfg.steps // 10))
-    sched = torch.optim.lr_scheduler.LambdaLR(  # linear warmup, cosine decay to 10 %
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s / cfg.steps, 1)))))
-    start = 0
-    if resume and ckpt_path.exists():
-        state = torch.load(ckpt_path)
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
-        start = state["step"]
+    loop = Loop(head, cfg.steps, cfg.lr, out_path.with_suffix(".ckpt.pt"), cfg.checkpoint_every, config=asdict(cfg))
+    if resume:
+        loop.resume()
     acc_before = acceptance_estimate(head, held, cfg.batch)
-    n_windows = feats.tokens.shape[0]
-    order = torch.randperm(n_windows, generator=torch.Generator().manual_seed(cfg.seed))
-    losses = []
-    for step in range(start, cfg.steps):
-        idx = order[(torch.arange(cfg.batch) + step * cfg.batch) % n_windows]
-        loss, info = batch_loss(head, feats.tokens[idx], feats.hidden[idx], feats.topk[idx], cfg.cos_weight)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
-        if progress:
-            progress(Progress("train", step + 1, cfg.steps, {"loss": losses[-1], **info}))
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                        "step": step + 1, "config": asdict(cfg)}, ckpt_path)
+    windows = window_batches(feats.tokens.shape[0], cfg.batch, cfg.seed)
+
+    def step_loss(step: int):
+        idx = windows(step)
+        return batch_loss(head, feats.tokens[idx], feats.hidden[idx], feats.topk[idx], cfg.cos_weight)
+
+    losses = loop.run(step_loss, progress)
     if progress:
         progress(Progress("eval", 0, 1, {}))
     acc_after = acceptance_estimate(head, held, cfg.batch)

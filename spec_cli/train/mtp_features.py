@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from spec_cli.model.config import ModelConfig
 from spec_cli.model.mtp_head import MTPHead
-from spec_cli.model.transformer import ForwardPlan, Transformer, rope_tables
-from spec_cli.train.data import Progress, ProgressFn
+from spec_cli.model.transformer import Transformer, rope_tables
+from spec_cli.train.data import ProgressFn
+from spec_cli.train.target_pass import causal_plan, run_target, scratch_kv
 
 TOP_K = 8  # target candidates kept per position for the KL term
 
@@ -26,29 +26,6 @@ class Features:
     hidden: torch.Tensor  # [N, T, D] pre-final-norm hidden state at every position
     last_in: torch.Tensor  # [M, T, D] input of the last block, first M <= N windows (for the eh_proj init)
     topk: torch.Tensor  # [N, T, K] int64 target's top-K token ids
-
-
-def causal_plan(B: int, T: int, cfg: ModelConfig, device: torch.device) -> ForwardPlan:
-    """Plan for B fresh sequences of T rows each at positions 0..T-1 (one scratch cache of T cells per sequence)."""
-    pos = torch.arange(T, device=device).expand(B, T)  # [B, T]
-    key = torch.arange(T, device=device)
-    causal = key <= pos[..., None]  # [B, T, T]
-    swa = causal & (pos[..., None] - key < cfg.sliding_window) if cfg.sliding_window else None
-    return ForwardPlan(
-        positions=pos,
-        write_rows=torch.arange(B * T, device=device),
-        write_seq=torch.arange(B, device=device).repeat_interleave(T),
-        write_pos=pos.reshape(-1),
-        kv_seqs=slice(0, B),
-        n_kv=T,
-        mask_full=causal.unsqueeze(1),
-        mask_swa=swa.unsqueeze(1) if swa is not None else None,
-    )
-
-
-def scratch_kv(cfg: ModelConfig, B: int, T: int, dtype: torch.dtype, device: torch.device):
-    shape = (B, cfg.n_head_kv, T, cfg.head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
 
 def shifted(hidden: torch.Tensor) -> torch.Tensor:
@@ -71,28 +48,8 @@ def head_forward(head: MTPHead, tokens: torch.Tensor, prev: torch.Tensor) -> tor
 def target_features(model: Transformer, tokens: torch.Tensor, batch: int, progress: ProgressFn | None = None,
                     stage: str = "features", last_in_rows: int = 16384) -> Features:
     """Run the frozen target over [N, T] token windows: hidden states, top-K ids, and the last block's input for
-    the first windows holding `last_in_rows` positions."""
-    cfg = model.cfg
-    N, T = tokens.shape
-    device = model.layer_devices[0]
-    captured: list[torch.Tensor] = []
-    hook = model.layers[-1].register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
-    hidden, last_in, topk = [], [], []
-    try:
-        for b0 in range(0, N, batch):
-            tok = tokens[b0 : b0 + batch]
-            B = tok.shape[0]
-            kv = [scratch_kv(cfg, B, T, model.dtype, dev) for dev in model.layer_devices]
-            with torch.inference_mode():
-                h = model.forward_hidden(tok.to(device), causal_plan(B, T, cfg, device), kv)  # [B, T, D]
-                ids = torch.cat([model.logits(h[i]).topk(TOP_K, dim=-1).indices[None] for i in range(B)])
-            hidden.append(h.float().cpu())
-            x = captured.pop()
-            if b0 * T < last_in_rows:
-                last_in.append(x.float().cpu())
-            topk.append(ids.cpu())
-            if progress:
-                progress(Progress(stage, min(b0 + batch, N) * T, N * T, {}))
-    finally:
-        hook.remove()
-    return Features(tokens, torch.cat(hidden), torch.cat(last_in) if last_in else torch.empty(0), torch.cat(topk))
+    the first windows holding `last_in_rows` positions (target features on request: taps n_layer - 1 and n_layer)."""
+    n = len(model.layers)
+    out = run_target(model, tokens, (n - 1, n), batch, TOP_K, progress, stage)
+    m = min(tokens.shape[0], -(-last_in_rows // tokens.shape[1]))
+    return Features(tokens, out.features[:, :, 1].float(), out.features[:m, :, 0].float(), out.topk)

@@ -52,7 +52,8 @@ if _lib is not None:
     _lib.sc_linear.restype = ctypes.c_int
     _lib.sc_block.argtypes = [_vp, _vp, _i64, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i64, _vp]
     _lib.sc_block.restype = ctypes.c_int
-    _lib.sc_blocks.argtypes = [ctypes.c_int, _vp, _vp, _vp, _i64, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i64]
+    _lib.sc_blocks.argtypes = [ctypes.c_int, _vp, _vp, _vp, _i64, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i64, _vp, _vp,
+                               _i64]
     _lib.sc_blocks.restype = ctypes.c_int
     _lib.sc_rms_norm.argtypes = [_vp, _vp, _vp, _i64, _i64, ctypes.c_float]
     _lib.sc_attention.argtypes = [_vp, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int, ctypes.c_int, _vp, _vp, _i64,
@@ -233,19 +234,28 @@ class BlockStack:
         self.swa = (ctypes.c_uint8 * n)(*swa)
 
 
+Taps = tuple[torch.Tensor, torch.Tensor]  # (slot of each layer [n + 1] int32, -1 = untapped; out [R, n_taps, D])
+
+
 def blocks(stack: BlockStack, x: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]], row_seq: torch.Tensor,
            row_pos: torch.Tensor, row_write: torch.Tensor, k_caches: list[torch.Tensor],
-           v_caches: list[torch.Tensor]) -> torch.Tensor:
+           v_caches: list[torch.Tensor], taps: Taps | None = None) -> torch.Tensor:
     """Every block of `stack` over rows x [R, D] float32 contiguous, in place (x is overwritten and returned); ropes
-    [full, sliding window] tables, rows as for qkv_prep, the caches of each block."""
+    [full, sliding window] tables, rows as for qkv_prep, the caches of each block. `taps`: the input of block i (i =
+    the number of blocks: the last one's output) is copied into out[:, slot[i]] where slot[i] >= 0."""
     _sync_threads()
     n = len(k_caches)
     cos = (_vp * 2)(ropes[0][0].data_ptr(), ropes[1][0].data_ptr())
     sin = (_vp * 2)(ropes[0][1].data_ptr(), ropes[1][1].data_ptr())
     ks = (_vp * n)(*(k.data_ptr() for k in k_caches))
     vs = (_vp * n)(*(v.data_ptr() for v in v_caches))
+    slots, out = taps if taps is not None else (None, None)
+    if out is not None and (slots.dtype != torch.int32 or slots.numel() != n + 1 or not out.is_contiguous()
+                            or out.shape[0] != x.shape[0] or out.shape[2] != x.shape[1]):
+        raise ValueError("taps: slots [n_blocks + 1] int32 and a contiguous out [R, n_taps, D] expected")
     rc = _lib.sc_blocks(n, stack.descs, stack.swa, x.data_ptr(), x.shape[0], cos, sin, row_seq.data_ptr(),
-                        row_pos.data_ptr(), row_write.data_ptr(), ks, vs, k_caches[0].shape[2])
+                        row_pos.data_ptr(), row_write.data_ptr(), ks, vs, k_caches[0].shape[2], ptr(slots), ptr(out),
+                        out.shape[1] if out is not None else 0)
     if rc:
         raise RuntimeError(f"sc_blocks failed ({rc}): unsupported weight type or shape")
     return x

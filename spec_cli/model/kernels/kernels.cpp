@@ -1265,16 +1265,26 @@ int sc_block(const ScBlock* b, const float* x, int64_t R, const float* rope_cos,
 // Every decoder block of a step in turn, in place on x [R, D] (the model's loop in one call: the Python around a
 // call per block cost ~1 ms per token on smollm2-135m's 30 blocks). Block i attends with the rope table of its kind
 // (swa[i]: 1 = the sliding-window layers' base) over its caches k_caches[i], v_caches[i]; sc_block reads its input
-// only before it writes its output, so each block runs in place. 0 = done.
+// only before it writes its output, so each block runs in place. Target features on request: where tap_slot is
+// given ([n + 1] int32, -1 = not tapped), the input of block i (i = n: the last block's output) is copied to slot
+// tap_slot[i] of taps [R, n_taps, D] -- a copy of R x D floats per tapped layer, nothing when no layer is. 0 = done.
 int sc_blocks(int n, const ScBlock* const* blocks, const uint8_t* swa, float* x, int64_t R,
               const float* const* rope_cos, const float* const* rope_sin, const int64_t* row_seq,
               const int64_t* row_pos, const uint8_t* row_write, float* const* k_caches, float* const* v_caches,
-              int64_t n_ctx) {
+              int64_t n_ctx, const int32_t* tap_slot, float* taps, int64_t n_taps) {
+    const auto tap = [&](int layer) {
+        if (!tap_slot || tap_slot[layer] < 0) return;
+        const int64_t D = blocks[0]->n_embd;
+        for (int64_t r = 0; r < R; r++)
+            std::memcpy(taps + (r * n_taps + tap_slot[layer]) * D, x + r * D, D * sizeof(float));
+    };
     for (int i = 0; i < n; i++) {
+        tap(i);
         const int rc = sc_block(blocks[i], x, R, rope_cos[swa[i]], rope_sin[swa[i]], row_seq, row_pos, row_write,
                                 k_caches[i], v_caches[i], n_ctx, x);
         if (rc) return rc;
     }
+    tap(n);
     return 0;
 }
 

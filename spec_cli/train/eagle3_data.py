@@ -1,0 +1,110 @@
+"""The training data of `spec-cli draft-train --type eagle3`: windows of the target's own greedy answers to chat,
+writing, question, summary and code requests (train/requests.py), and windows of standard-library code, each with
+what the frozen target says about every position: the inputs of the three tapped layers (the head's features), its
+final pre-norm state (for the soft targets: the target's distribution over the draft vocabulary, computed per batch)
+and its greedy next token. Answers carry their features from the very decodes that generated them; code windows
+take one cache-free forward. Held-out requests and held-out files give the acceptance estimate's windows.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from spec_cli.model.loader import LoadedModel
+from spec_cli.text.tokenizer import Tokenizer
+from spec_cli.train.data import (
+    Progress,
+    ProgressFn,
+    greedy_answers,
+    is_held_out,
+    stdlib_documents,
+    token_windows,
+)
+from spec_cli.train.requests import requests
+from spec_cli.train.target_pass import run_target
+
+UNKNOWN = -1  # top1 of a position whose next token the target did not choose
+
+
+@dataclass
+class Windows:
+    """Training windows and the target's view of them (CPU tensors)."""
+
+    tokens: torch.Tensor  # [N, T] int64
+    features: torch.Tensor  # [N, T, 3, D] the tapped layers' inputs
+    final: torch.Tensor  # [N, T, D] the final pre-norm state (the target's next-token distribution)
+    top1: torch.Tensor  # [N, T] int64 the target's greedy next token, UNKNOWN where it did not choose one
+
+    @property
+    def n_tokens(self) -> int:
+        return self.tokens.numel()
+
+
+def join(parts: list[Windows]) -> Windows:
+    parts = [p for p in parts if p.tokens.shape[0]]
+    return Windows(*(torch.cat([getattr(p, f) for p in parts]) for f in Windows.__dataclass_fields__))
+
+
+def request_prompts(tokenizer: Tokenizer, texts: list[str], limit: int) -> list[list[int]]:
+    """Each request as the model's chat (user turn, then the assistant's start), at most `limit` tokens."""
+    out = []
+    for text in texts:
+        if tokenizer.chat_template:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], True)
+        out.append(tokenizer.encode(text, add_special=True, parse_special=True)[:limit])
+    return out
+
+
+def answer_windows(loaded: LoadedModel, tokenizer: Tokenizer, texts: list[str], T: int, layers: tuple[int, ...],
+                   progress: ProgressFn | None) -> Windows:
+    """Windows of T tokens: a request, then the target's greedy answer (positions after its end of text, and the
+    request's own, are not the target's choices: UNKNOWN)."""
+    n = len(loaded.model.layers)
+    prompts = request_prompts(tokenizer, texts, T // 2)
+    ans = greedy_answers(loaded, prompts, T, tuple(layers) + (n,), frozenset(tokenizer.eog_ids), progress,
+                         store=torch.bfloat16)
+    top1 = torch.full_like(ans.tokens, UNKNOWN)
+    top1[:, :-1] = torch.where(ans.answered[:, :-1], ans.tokens[:, 1:], UNKNOWN)
+    return Windows(ans.tokens, ans.features[:, :, :-1], ans.features[:, :, -1], top1)
+
+
+def code_windows(loaded: LoadedModel, tokens: torch.Tensor, layers: tuple[int, ...], batch: int,
+                 progress: ProgressFn | None, stage: str) -> Windows:
+    """Text windows [N, T] through the target (one cache-free forward per batch)."""
+    n = len(loaded.model.layers)
+    out = run_target(loaded.model, tokens, tuple(layers) + (n,), batch, 1, progress, stage, store=torch.bfloat16)
+    top1 = out.topk[..., 0].clone()
+    top1[:, -1] = UNKNOWN  # the window ends: its last position's next token is not in it
+    return Windows(tokens, out.features[:, :, :-1], out.features[:, :, -1], top1)
+
+
+def build(loaded: LoadedModel, layers: tuple[int, ...], seq_len: int, gen_tokens: int, code_tokens: int,
+          eval_tokens: int, batch: int, seed: int, progress: ProgressFn | None) -> tuple[Windows, Windows]:
+    """Training windows (answers, then code) and held-out windows (half answers to held-out requests, half held-out
+    code), every answer to another request while there are requests left."""
+    rng = random.Random(seed)
+    tokenizer = Tokenizer.from_metadata(loaded.gguf.metadata)
+    docs = stdlib_documents()
+    T, n_held = seq_len, max(2, eval_tokens // seq_len)
+    if progress:
+        progress(Progress("data", 0, 1, {}))
+    held_code = token_windows(tokenizer, [d for d in docs if is_held_out(d[0])], T, n_held - n_held // 2, rng)
+    train = [answer_windows(loaded, tokenizer, requests(gen_tokens // T, False, rng), T, layers, progress)]
+    if code_tokens >= T:
+        code = token_windows(tokenizer, [d for d in docs if not is_held_out(d[0])], T, code_tokens // T, rng)
+        train.append(code_windows(loaded, code, layers, batch, progress, "features"))
+    held = join([answer_windows(loaded, tokenizer, requests(n_held // 2, True, rng), T, layers, progress),
+                 code_windows(loaded, held_code, layers, batch, progress, "eval-features")])
+    return join(train), held
+
+
+def draft_vocabulary(top1: torch.Tensor, n_vocab: int, size: int) -> list[int]:
+    """The `size` tokens the target chose most often (ties, and tokens it never chose, by id), as sorted ids: an
+    EAGLE-3 draft vocabulary (its d2t); all n_vocab where size is 0 or more."""
+    if size <= 0 or size >= n_vocab:
+        return list(range(n_vocab))
+    counts = torch.bincount(top1[top1 != UNKNOWN], minlength=n_vocab)
+    return sorted(torch.argsort(-counts, stable=True)[:size].tolist())

@@ -1,0 +1,184 @@
+"""draft-train --type eagle3 on a tiny target: the loss falls and the held-out acceptance rises; the written file is
+llama.cpp's eagle3 layout (read back here with gguf's reader into the Hugging Face layout, the reference of
+tests/tiny_eagle3.py computes its drafts); the trained head accepts more than the untrained one at run time, stays
+lossless (greedy, alone and chained, one and four sequences; rejection sampling keeps the target's distribution at
+T > 0); the training requests are none of the built-in prompt sets'."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader, quants
+
+from spec_cli.model.loader import load_model
+from spec_cli.model.sampling import SamplingParams
+from spec_cli.runtime.generate import generate
+from spec_cli.text.prompt_sets import load_prompt_set
+from spec_cli.text.tokenizer import Tokenizer
+from spec_cli.train.eagle3 import Eagle3TrainConfig, train
+from spec_cli.train.eagle3_data import request_prompts
+from spec_cli.train.requests import all_requests, is_held_out
+from tests.draft_recorder import record_drafts
+from tests.test_eagle3 import make_session, reference_draft
+from tests.test_generate_sampling import exact_two_token_distribution
+from tests.tiny_eagle3 import N_HEAD, N_KV, TinyEagle3
+from tests.tiny_gguf import write_tiny_gguf
+
+GREEDY = SamplingParams(temp=0.0, ignore_eos=True)
+CFG = Eagle3TrainConfig(steps=200, lr=3e-3, seq_len=32, batch=4, data_tokens=32 * 96, gen_tokens=32 * 64,
+                        eval_tokens=32 * 8, ttt_steps=3, draft_vocab=150, checkpoint_every=50)
+
+
+@pytest.fixture(scope="module")
+def target_path(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("train") / "target.gguf", arch="llama", seed=11, n_layer=4)
+
+
+@pytest.fixture(scope="module")
+def trained(target_path, tmp_path_factory):
+    """(the trained head's path, its TrainResult, the training losses, the untrained head's path)."""
+    d = tmp_path_factory.mktemp("heads")
+    lm = load_model(target_path, device="cpu", dtype="f32")
+    losses = []
+    result = train(lm, d / "trained.gguf", CFG, lambda p: losses.append(p.info["loss"]) if p.stage == "train" else None)
+    untrained = train(lm, d / "untrained.gguf", replace(CFG, steps=0))
+    return result.out_path, result, losses, untrained.out_path
+
+
+def training_prompts(target_path, n: int) -> list[list[int]]:
+    tok = Tokenizer.from_metadata(load_model(target_path, device="cpu").gguf.metadata)
+    return request_prompts(tok, [r for r in all_requests() if not is_held_out(r)][:n], 16)
+
+
+def test_training_lowers_the_loss_and_raises_the_held_out_acceptance(trained):
+    _, result, losses, _ = trained
+    assert len(losses) == CFG.steps and np.mean(losses[-20:]) < 0.6 * np.mean(losses[:20])
+    assert result.acc_after > result.acc_before + 0.05 and result.mean_len_after > result.mean_len_before
+    assert result.out_path.with_suffix(".ckpt.pt").exists()
+
+
+def test_the_trained_head_accepts_more_than_the_untrained_one(target_path, trained):
+    path, _, _, untrained = trained
+    accepted = {}
+    for name, head in (("trained", path), ("untrained", untrained)):
+        session = make_session(target_path, head, draft_max=3)
+        accepted[name] = sum(generate(session.generator(), p, GREEDY, 24).n_accepted
+                             for p in training_prompts(target_path, 4))
+    assert accepted["trained"] > accepted["untrained"] + 4
+
+
+def read_back(path, target_path) -> TinyEagle3:
+    """The written file read with gguf's reader into the Hugging Face layout the reference computes with."""
+    reader = GGUFReader(str(path))
+    t = {x.name: x for x in reader.tensors}
+    target = {x.name: x for x in GGUFReader(str(target_path)).tensors}
+    value = lambda key: reader.fields[key].contents()  # noqa: E731
+
+    def arr(name, tensors=t):
+        x = tensors[name]
+        data = quants.dequantize(x.data, x.tensor_type) if x.tensor_type.name not in ("F32", "F16") else x.data
+        return np.asarray(data, dtype=np.float32).reshape([int(v) for v in reversed(x.shape)])
+
+    def to_half_split(w, n_head):  # llama's interleaved rope order -> HF's
+        d = w.shape[0] // n_head
+        order = np.argsort(np.arange(d).reshape(2, d // 2).T.reshape(-1))
+        return w.reshape(n_head, d, -1)[:, order].reshape(w.shape)
+
+    hf = {"fc": arr("fc.weight"), "input_layernorm": arr("blk.0.attn_norm.weight"),
+          "hidden_norm": arr("blk.0.attn_norm_2.weight"), "q_proj": to_half_split(arr("blk.0.attn_q.weight"), N_HEAD),
+          "k_proj": to_half_split(arr("blk.0.attn_k.weight"), N_KV), "v_proj": arr("blk.0.attn_v.weight"),
+          "o_proj": arr("blk.0.attn_output.weight"), "post_attention_layernorm": arr("blk.0.ffn_norm.weight"),
+          "gate_proj": arr("blk.0.ffn_gate.weight"), "up_proj": arr("blk.0.ffn_up.weight"),
+          "down_proj": arr("blk.0.ffn_down.weight"), "norm": arr("output_norm.weight"), "lm_head": arr("output.weight")}
+    return TinyEagle3(path, tuple(int(v) for v in value("eagle3.target_layers")), hf, t["d2t"].data.tolist(),
+                      target_embd=arr("token_embd.weight", target), target_out=arr("output.weight", target))
+
+
+def test_the_file_is_llama_cpps_layout_and_drafts_as_its_reference(target_path, trained):
+    path, _, _, _ = trained
+    reader = GGUFReader(str(path))
+    assert reader.fields["general.architecture"].contents() == "eagle3"
+    assert [int(v) for v in reader.fields["eagle3.target_layers"].contents()] == [2, 2, 1]  # [2, N//2, N-3], N = 4
+    assert reader.fields["eagle3.target_hidden_size"].contents() == 64
+    assert "token_embd.weight" not in {t.name for t in reader.tensors}  # the target's
+    d2t = next(t for t in reader.tensors if t.name == "d2t")
+    assert d2t.tensor_type.name == "I64" and list(d2t.data) == sorted(d2t.data) and len(d2t.data) == CFG.draft_vocab
+    tiny = read_back(path, target_path)
+    session = make_session(target_path, path, n_seq=2, verify="match")
+    calls = record_drafts(session)
+    prompts = training_prompts(target_path, 2)
+    gen = session.generator()
+    for seq, p in enumerate(prompts):
+        gen.start(seq, p, GREEDY, 24)
+    while gen.step():
+        pass
+    lm = session.engine.target
+    assert session.chain.stats["draft-eagle3"].n_acc_tokens > 0  # rows of accepted drafts re-decoded by position
+    assert calls and all(drafted == reference_draft(tiny, lm, prompt, id_last, len(drafted))
+                         for prompt, id_last, drafted in calls)
+
+
+@pytest.mark.parametrize("chain", ["draft-eagle3", "ngram-mod,draft-eagle3"])
+@pytest.mark.parametrize("n_seq", [1, 4])
+def test_greedy_speculation_with_the_trained_head_equals_plain(target_path, trained, chain, n_seq):
+    from tests.test_eagle3 import run_all
+
+    prompts = training_prompts(target_path, n_seq)
+    session = make_session(target_path, trained[0], chain, n_seq=n_seq)
+    assert run_all(session, prompts) == run_all(make_session(target_path, None, "", n_seq=n_seq), prompts)
+    assert session.chain.stats["draft-eagle3"].n_acc_tokens > 0
+
+
+def test_rejection_sampling_keeps_the_target_distribution(target_path, trained):
+    """q = the head's distribution over its draft vocabulary mapped to target ids (0 elsewhere)."""
+    params = dict(temp=1.5, top_k=3, top_p=1.0, min_p=0.0)
+    session = make_session(target_path, trained[0], verify="rejection", draft_max=3)
+    prompt = training_prompts(target_path, 1)[0]
+    exact = exact_two_token_distribution(session, prompt, SamplingParams(**params))
+    n, counts, accepted, drafted = 600, Counter(), 0, 0
+    for seed in range(n):
+        seq = generate(session.generator(), prompt, SamplingParams(seed=seed, ignore_eos=True, **params), 4)
+        counts[tuple(seq.tokens[len(prompt) : len(prompt) + 2])] += 1
+        accepted, drafted = accepted + seq.n_accepted, drafted + seq.n_drafted
+    tv = 0.5 * sum(abs(counts[k] / n - exact.get(k, 0.0)) for k in set(exact) | set(counts))
+    assert tv < 0.12, f"total variation {tv:.3f}"
+    assert drafted > 0 and 0 < accepted < drafted
+
+
+def test_training_requests_are_not_the_built_in_prompt_sets():
+    builtin = [m["content"] for name in ("chat", "writing", "qa", "summarize", "code-edit")
+               for p in load_prompt_set(name).prompts for m in p.messages or []]
+    requests = all_requests()
+    assert len(set(requests)) == len(requests) > 500
+    assert not any(r in text or text in r for r in requests for text in builtin)
+    held = [r for r in requests if is_held_out(r)]
+    assert 0.05 < len(held) / len(requests) < 0.2
+
+
+def test_the_training_time_test_computes_the_draft_recursion(target_path, trained):
+    """ttt_states' step j for anchor a (attending to the real rows up to a and the anchor's own earlier steps) is
+    the draft loop's j-th row: the reference run over the committed rows, then rows fed the state before them."""
+    from spec_cli.model.eagle3_file import load_eagle3_head
+    from spec_cli.train.eagle3 import ttt_states
+    from tests.test_eagle3 import target_features
+    from tests.tiny_eagle3 import reference_fuse, reference_rows
+
+    path = trained[0]
+    tiny = read_back(path, target_path)
+    lm = load_model(target_path, device="cpu", dtype="f32")
+    head = load_eagle3_head(path, lm)  # float weights (the target's are): the head trains on these
+    tokens = training_prompts(target_path, 1)[0] + [40, 41, 42, 43, 44, 45]
+    g = reference_fuse(tiny, target_features(lm, tiny.layers, tokens))
+    with torch.no_grad():
+        states = ttt_states(head, torch.tensor([tokens]), head.fuse(target_features(lm, tiny.layers, tokens))[None], 3)
+    for a in (3, len(tokens) - 5):
+        rows, feed = tokens[1 : a + 2], list(g[: a + 1])  # committed rows and the seed row (x_{t+1}, g_t), t <= a
+        for j in range(3):
+            h, _ = reference_rows(tiny, rows, torch.stack(feed))
+            torch.testing.assert_close(states[j][0, a], h[-1], rtol=2e-3, atol=2e-3)
+            rows.append(tokens[a + j + 2])
+            feed.append(h[-1])
