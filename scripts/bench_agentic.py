@@ -63,7 +63,7 @@ def summary(answers: dict[str, list[dict]], ref: str | None) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", required=True)
-    ap.add_argument("--spec", default="none,ngram-cache,suffix", help="comma list: none or a --spec-type each")
+    ap.add_argument("--spec", default="none,ngram-cache,suffix", help="comma list: none, draft, or a --spec-type each")
     ap.add_argument("--ref", default="ngram-cache", help="the setting vs_ref divides by")
     ap.add_argument("--set", default="agentic", help="a built-in prompt set or a .jsonl file")
     ap.add_argument("-n", type=int, default=256, help="max tokens per answer")
@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--ctx-per-slot", type=int, default=4096)
     ap.add_argument("--server-args", default="", help="extra flags for spec-cli server, e.g. '-t 2 --draft-max 8'")
     ap.add_argument("--start-timeout", type=float, default=600)
-    ap.add_argument("--draft", help=argparse.SUPPRESS)  # start_server reads it
+    ap.add_argument("--draft", help="draft model for --spec draft")
     ap.add_argument("--json", help="write the per-pass summaries to this file")
     args = ap.parse_args()
     specs, prompts = args.spec.split(","), load_prompt_set(args.set).prompts

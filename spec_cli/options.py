@@ -544,8 +544,8 @@ BENCH = [
     ]),
     ("Run and output", [
         Opt("repetitions", int, 5, ("-r", "--repetitions"), "repetitions per test", ge=1),
-        Opt("seed", int, BENCH_SEED, ("-s", "--seed"), "seed of the random tokens, of sampling and of --spec-accept's "
-            "draws", ge=0, lt=2**63),
+        replace(OPTIONS["seed"], default=BENCH_SEED, ge=0, help="seed of the random tokens, of sampling and of "
+                "--spec-accept's draws"),
         Opt("output", str, "md", ("-o", "--output"), "md | csv | json | jsonl | sql (stdout)",
             parse=choice(*OUTPUT_FORMATS)),
         Opt("output_err", Optional[str], None, ("-oe", "--output-err"), "second format on stderr",

@@ -21,11 +21,12 @@ from tests.tiny_gguf import write_tiny_gguf
 from tests.tiny_mtp import write_tiny_mtp_gguf
 
 GREEDY = SamplingParams(temp=0.0, ignore_eos=True)
+CHAINS = ["n-gram family", "draft-simple", "draft-mtp", "draft-eagle3", "suffix", "draft-simple, another vocabulary"]
 SMALL_MAPS = dict(ngram_map_k_size_n=2, ngram_map_k_size_m=8, ngram_map_k4v_size_n=2, ngram_map_k4v_size_m=8)
 
 
 @pytest.fixture(scope="module")
-def chains(tmp_path_factory, tiny_model_path, tiny_close_draft_path):
+def chains(tmp_path_factory, tiny_model_path, tiny_close_draft_path, tiny_other_vocab_path):
     """name -> a function opening a fresh two-sequence session of that chain."""
     d = tmp_path_factory.mktemp("states")
     mtp = write_tiny_mtp_gguf(d / "mtp.gguf")
@@ -38,6 +39,9 @@ def chains(tmp_path_factory, tiny_model_path, tiny_close_draft_path):
                                              draft_vocab=40),  # fewer rows than the vocabulary: tokens get seen
         "draft-mtp": lambda: make_session(mtp, 2, "draft-mtp"),
         "draft-eagle3": lambda: make_session(target4, 2, "draft-eagle3", head),
+        "suffix": lambda: make_session(tiny_model_path, 2, "suffix"),
+        "draft-simple, another vocabulary": lambda: make_session(tiny_model_path, 2, "draft-simple",
+                                                                 tiny_other_vocab_path),
     }
 
 
@@ -47,7 +51,8 @@ def generate_on(session, seq: int, prompt: list[int], n: int, n_cached: int = 0)
     gen.start(seq, prompt, GREEDY, n, n_cached=n_cached)
     while not gen.active[seq].done:
         gen.step()
-    s = gen.active.pop(seq)
+    s = gen.active[seq]
+    gen.finish(seq)  # the drafters hear that the request ended (suffix keeps its output)
     return s.tokens, s.id_last, s.n_drafted, s.n_accepted
 
 
@@ -61,7 +66,7 @@ def assert_same(a: dict, b: dict) -> None:
         assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), k
 
 
-@pytest.mark.parametrize("chain", ["n-gram family", "draft-simple", "draft-mtp", "draft-eagle3"])
+@pytest.mark.parametrize("chain", CHAINS)
 def test_a_state_put_into_a_fresh_session_continues_as_its_origin(chains, chain):
     origin, fresh = chains[chain](), chains[chain]()
     generate_on(origin, 1, prompt_of(origin, 3), 20)  # the other sequence's share of the shared state
@@ -76,7 +81,7 @@ def test_a_state_put_into_a_fresh_session_continues_as_its_origin(chains, chain)
     assert generate_on(fresh, 0, again, 24, n_cached=len(tokens)) == expected
 
 
-@pytest.mark.parametrize("chain", ["n-gram family", "draft-simple", "draft-mtp", "draft-eagle3"])
+@pytest.mark.parametrize("chain", CHAINS)
 def test_every_entry_of_a_state_is_checked(chains, chain):
     """Each entry left out, or replaced by an array of another kind, is a StateError; the sequence is then forgotten
     and the whole state still restores."""

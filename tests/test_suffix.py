@@ -1,14 +1,17 @@
 """suffix (SuffixDecoding): continuation frequencies along the matched path, the draft length from the match length
 (max_spec_factor, max_depth), min_token_prob, the best-scoring match, earlier requests' outputs shared by every
-sequence within a token budget; and through the installed `spec-cli`: lossless, its flags checked."""
+sequence within a token budget, those outputs in a slot file's state; and through the installed `spec-cli`: lossless,
+its flags checked."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from spec_cli.errors import StateError
 from spec_cli.speculative.base import DraftParams, SpecParams
 from spec_cli.speculative.suffix import SuffixDrafter, TokenStore
 
@@ -108,6 +111,39 @@ def test_the_oldest_outputs_are_dropped_past_the_budget():
     drafter.end(0, [6, 7, 8, 9])
     drafter.begin(0, [0])
     assert draft(drafter, [0, 1, 2], 3) == [] and draft(drafter, [0, 6, 7], 8) == [9]
+
+
+def test_a_match_may_be_the_whole_pattern():
+    """A request's first draft: its one-token prompt and id_last matched in an earlier output, two tokens, so a draft
+    of two (the factor 1)."""
+    drafter = make()
+    drafter.end(0, [1, 2, 3, 4])
+    drafter.begin(0, [1])
+    assert draft(drafter, [1], 2) == [3, 4]
+
+
+def test_a_restored_store_joins_a_running_one_as_its_oldest():
+    """A slot file's earlier outputs: restored into a fresh drafter they are the store as it was; into a running one,
+    those it lacks go before its own, and the budget drops them first."""
+    saved = make(cache_tokens=8)
+    saved.end(0, [1, 2, 3])
+    saved.end(0, [4, 5])
+    state = saved.save_state(0)
+    fresh = make(cache_tokens=8)
+    for lengths in ([3, 1], [3, 3], [6, -1], [0, 5]):  # lengths that do not split the 5 tokens
+        with pytest.raises(StateError, match="does not split"):
+            fresh.restore_state(0, {**state, "output_lengths": np.array(lengths)}, n_vocab=100)
+    with pytest.raises(StateError, match="outside"):
+        fresh.restore_state(0, state, n_vocab=5)  # token 5 is no token of a 5-token vocabulary
+    fresh.restore_state(0, state, n_vocab=100)
+    assert fresh.save_state(0)["outputs"].tolist() == [1, 2, 3, 4, 5]
+    # [4, 5] is held already; [1, 2, 3] joins within 16 tokens, not within 8
+    for budget, expected in ((16, [1, 2, 3, -1, 4, 5, -1, 6, 7, 8, 9, -1]), (8, [4, 5, -1, 6, 7, 8, 9, -1])):
+        running = make(cache_tokens=budget)
+        running.end(0, [4, 5])
+        running.end(0, [6, 7, 8, 9])
+        running.restore_state(0, state, n_vocab=100)
+        assert running.outputs.buf.tolist() == expected
 
 
 def spec_cli_json(command, model, *flags):

@@ -19,31 +19,18 @@ from spec_cli.speculative.vocab_bridge import VocabBridge, vocab_bridge
 from spec_cli.text.tokenizer import Tokenizer
 from tests.test_generate import GREEDY, N_PREDICT, PROMPTS, make_session, run
 from tests.test_generate_sampling import exact_two_token_distribution
-from tests.tiny_gguf import write_tiny_gguf
-from tests.tiny_vocab import tiny_bpe_metadata
+from tests.tiny_gguf import N_VOCAB, RENAMED, REVERSED, write_tiny_gguf
 
 SCRIPT = Path(sys.executable).with_name("spec-cli")
-N_VOCAB = len(tiny_bpe_metadata()["tokenizer.ggml.tokens"])
-REVERSED = list(reversed(range(N_VOCAB)))  # every token at another id
-# token 119 ('w'), the tiny target's most frequent output token, and 281 ('Ġb'): without a counterpart in the draft
-RENAMED = [119, 281]
-
-
-@pytest.fixture(scope="module")
-def other_vocab_draft(tmp_path_factory) -> Path:
-    """The target's own weights over a reversed vocabulary with two tokens renamed: drafts through the bridge are
-    right until a renamed token, which ends them."""
-    return write_tiny_gguf(tmp_path_factory.mktemp("bridge") / "reversed.gguf", seed=0, token_order=REVERSED,
-                           vocab_changes={"rename_tokens": RENAMED})
 
 
 def tokenizer(path) -> Tokenizer:
     return Tokenizer.from_metadata(GGUFFile(path).metadata)
 
 
-def test_the_bridge_maps_tokens_by_their_bytes_and_control_texts(tiny_model_path, other_vocab_draft):
-    target, draft = tokenizer(tiny_model_path), tokenizer(other_vocab_draft)
-    bridge = vocab_bridge(target, draft, GGUFFile(other_vocab_draft).metadata)
+def test_the_bridge_maps_tokens_by_their_bytes_and_control_texts(tiny_model_path, tiny_other_vocab_path):
+    target, draft = tokenizer(tiny_model_path), tokenizer(tiny_other_vocab_path)
+    bridge = vocab_bridge(target, draft, GGUFFile(tiny_other_vocab_path).metadata)
     assert isinstance(bridge, VocabBridge) and bridge.n_shared == N_VOCAB - len(RENAMED)
     for t in (40, 300, target.eos_id):  # a byte, a merge, <|im_end|> (a control token, by its text)
         (d,) = bridge.draft_tokens(t)
@@ -66,8 +53,8 @@ def plain_outputs(tiny_model_path):
     return [run(session, prompt)[0] for prompt in PROMPTS]
 
 
-def test_greedy_through_the_bridge_equals_plain_one_sequence(tiny_model_path, other_vocab_draft, plain_outputs):
-    session = make_session(tiny_model_path, "draft-simple", draft=other_vocab_draft)
+def test_greedy_through_the_bridge_equals_plain_one_sequence(tiny_model_path, tiny_other_vocab_path, plain_outputs):
+    session = make_session(tiny_model_path, "draft-simple", draft=tiny_other_vocab_path)
     accepted = 0
     for prompt, expected in zip(PROMPTS, plain_outputs):
         out, seq = run(session, prompt)
@@ -79,9 +66,9 @@ def test_greedy_through_the_bridge_equals_plain_one_sequence(tiny_model_path, ot
 
 
 @pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "auto"])
-def test_greedy_through_the_bridge_equals_plain_four_sequences(tiny_model_path, other_vocab_draft, plain_outputs,
+def test_greedy_through_the_bridge_equals_plain_four_sequences(tiny_model_path, tiny_other_vocab_path, plain_outputs,
                                                                adaptive):
-    session = make_session(tiny_model_path, "draft-simple", draft=other_vocab_draft, n_seq=4, adaptive=adaptive)
+    session = make_session(tiny_model_path, "draft-simple", draft=tiny_other_vocab_path, n_seq=4, adaptive=adaptive)
     gen = session.generator()
     outs = {seq: list(gen.start(seq, prompt, GREEDY, N_PREDICT).tokens) for seq, prompt in enumerate(PROMPTS)}
     seqs = dict(gen.active)
@@ -116,17 +103,18 @@ def spec_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
 
 
-def test_cli_drafts_with_another_vocabulary_and_counts_the_mapped_tokens(tiny_model_path, other_vocab_draft):
+def test_cli_drafts_with_another_vocabulary_and_counts_the_mapped_tokens(tiny_model_path, tiny_other_vocab_path):
     common = ["-m", str(tiny_model_path), "-p", "abc abc abc abc abc", "-n", "32", "--temp", "0", "--json"]
     plain = spec_cli("run", *common)
-    spec = spec_cli("speculative-simple", *common, "-md", str(other_vocab_draft), "--draft-max", "4",
+    spec = spec_cli("speculative-simple", *common, "-md", str(tiny_other_vocab_path), "--draft-max", "4",
                     "--draft-p-min", "0")
     assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
     out = json.loads(spec.stdout)
     assert out["content"] == json.loads(plain.stdout)["content"]
     [st] = out["drafters"]
     assert st["n_acc_tokens"] > 0 and st["n_mapped"] >= st["n_gen_tokens"]
-    text = spec_cli("speculative-simple", *common[:-1], "-md", str(other_vocab_draft), "--log-format", "text")
+    assert out["draft_vocabulary"]["shared_tokens"] == N_VOCAB - len(RENAMED)
+    text = spec_cli("speculative-simple", *common[:-1], "-md", str(tiny_other_vocab_path), "--log-format", "text")
     assert "#mapped tokens = " in text.stderr + text.stdout
 
 

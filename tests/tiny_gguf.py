@@ -21,6 +21,11 @@ from tests.tiny_vocab import tiny_bpe_metadata
 T = GGMLQuantizationType
 DIMS = dict(n_embd=64, n_ff=128, n_head=4, n_head_kv=2, head_dim=16)
 K_DIMS = dict(n_embd=256, n_ff=512, n_head=4, n_head_kv=2, head_dim=64)  # every row a multiple of 256 values
+N_VOCAB = len(tiny_bpe_metadata()["tokenizer.ggml.tokens"])
+# another vocabulary for the tiny model's weights (write_other_vocab): every token at another id, and two tokens
+# without a counterpart in the tiny vocabulary: 119 ('w'), the tiny target's most frequent output token, and 281 ('Ġb')
+REVERSED = list(reversed(range(N_VOCAB)))
+RENAMED = [119, 281]
 
 # block types gguf.quants cannot quantize: byte offsets of a block's fp16 scales (d, then dmin where there is
 # one) and the dmin / d ratio that centres random codes (E[scale * code] / E[min] for uniform random bytes)
@@ -175,3 +180,9 @@ def write_tiny_gguf(
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+def write_other_vocab(path: Path, **kwargs) -> Path:
+    """The tiny model (seed 0, `kwargs` as write_tiny_gguf's) over another vocabulary, REVERSED with RENAMED renamed:
+    as a draft model, its drafts through the shared tokens are right until a renamed token ends them."""
+    return write_tiny_gguf(path, seed=0, token_order=REVERSED, vocab_changes={"rename_tokens": RENAMED}, **kwargs)

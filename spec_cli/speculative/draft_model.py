@@ -66,6 +66,8 @@ class DraftModelDrafter(Drafter):
         # another vocabulary than the target's (vocab_bridge.py): the draft cache holds the draft's tokens for the
         # target's, by draft position; None: the same ids, positions offset by `offset` only
         self.bridge = bridge
+        # per sequence, the translation `_draft_history` made last: (target tokens, their draft tokens, where each
+        # target token's draft tokens end in them, after a leading 0)
         self.translated: list[tuple[list[int], list[int], list[int]]] = [([], [], [0]) for _ in range(n_seq)]
         self.cached: list[list[int]] = [[] for _ in range(n_seq)]  # tokens in the draft KV, by draft position
         self.target_cache = TargetCache(n_seq)  # tokens in the target KV, as far as known
@@ -212,6 +214,7 @@ class DraftModelDrafter(Drafter):
         self.target_cache.forget(seq)
         self.offset[seq] = self.idle[seq] = 0
         self.rng[seq] = None
+        self.translated[seq] = ([], [], [0])
 
     def slot_info(self, seq: int) -> dict:
         return {"n_kv": self.ctx.lengths[seq]}

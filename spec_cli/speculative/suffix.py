@@ -19,16 +19,19 @@ counted (the tree counts it as a path that continues nowhere, lowering every fir
 
 State: per sequence, its prompt and committed output (from `draft`'s history); shared by every sequence (server
 slots) and kept across requests, the outputs of finished requests (`end`), up to --spec-suffix-cache-tokens
-tokens, the oldest request dropped first.
+tokens, the oldest request dropped first. A slot file holds the shared outputs (a sequence's own text comes back
+with its next request's prompt); restored, they join the outputs the store lacks, as the oldest, so a fresh server
+continues exactly as the saved one and a running one keeps its own.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from spec_cli.errors import StateError
+from spec_cli.model.state_arrays import State, entry, ints, token_ids
 from spec_cli.speculative.base import DraftParams, HistoryDrafter, SpecParams
 
 SEPARATOR = -1  # ends a sequence in a buffer: no token equals it, so no match crosses it
@@ -65,21 +68,36 @@ class TokenStore:
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self.buf = np.empty(0, dtype=np.int32)
-        self.lengths: deque[int] = deque()  # tokens of each stored sequence, oldest first
+        self.lengths: list[int] = []  # tokens of each stored sequence, oldest first
         self.n_tokens = 0
 
     def add(self, tokens: list[int]) -> None:
         tokens = tokens[-self.budget:] if self.budget else []
-        if not tokens:
-            return
-        drop = 0
-        while self.lengths and self.n_tokens + len(tokens) > self.budget:
-            n = self.lengths.popleft()
-            self.n_tokens -= n
-            drop += n + 1
-        self.buf = np.concatenate([self.buf[drop:], np.asarray(tokens, dtype=np.int32), [SEPARATOR]])
-        self.lengths.append(len(tokens))
-        self.n_tokens += len(tokens)
+        if tokens:
+            self._keep(self.sequences() + [np.asarray(tokens, dtype=np.int32)])
+
+    def merge(self, older: list[np.ndarray]) -> None:
+        """Put sequences before the stored ones, as the oldest, leaving out those it holds already (a slot file's
+        store restored into a running one); the budget then drops the oldest."""
+        held = self.sequences()
+        known = {s.tobytes() for s in held}
+        self._keep([s for s in older if s.tobytes() not in known] + held)
+
+    def sequences(self) -> list[np.ndarray]:
+        """The stored sequences, oldest first (views of the buffer)."""
+        starts = np.cumsum([0] + [n + 1 for n in self.lengths[:-1]]).tolist()
+        return [self.buf[a : a + n] for a, n in zip(starts, self.lengths)]
+
+    def _keep(self, sequences: list[np.ndarray]) -> None:
+        """Store the newest of `sequences` (oldest first) that fit in the budget together."""
+        first, total = len(sequences), 0
+        while first > 0 and total + len(sequences[first - 1]) <= self.budget:
+            first -= 1
+            total += len(sequences[first])
+        kept = sequences[first:]
+        separator = np.array([SEPARATOR], dtype=np.int32)
+        self.buf = np.concatenate([a for s in kept for a in (s, separator)]) if kept else np.empty(0, np.int32)
+        self.lengths, self.n_tokens = [len(s) for s in kept], total
 
 
 def find_matches(buf: np.ndarray, pattern: list[int], max_match: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
@@ -138,9 +156,10 @@ def speculate(buf: np.ndarray, pattern: list[int], n_max: int, settings: SuffixS
     best = SuffixDraft()
     if not len(buf) or not pattern or n_max <= 0:
         return best
-    max_match = min(settings.max_depth, len(pattern)) - 1
-    ends, lengths = find_matches(buf, pattern, max(max_match, 1), len(buf) if limit is None else limit)
-    if not len(ends) or max_match < 1:
+    # a match leaves room for a draft token within max_depth (>= 2, options.py)
+    max_match = min(settings.max_depth - 1, len(pattern))
+    ends, lengths = find_matches(buf, pattern, max_match, len(buf) if limit is None else limit)
+    if not len(ends):
         return best
     # The occurrences matching at least m tokens only change at the lengths some occurrence reached: one path per
     # group of match lengths (lo, hi], followed as far as the group's longest cap, then scored per m.
@@ -174,6 +193,27 @@ class SuffixDrafter(HistoryDrafter):
 
     def end(self, seq: int, output: list[int]) -> None:
         self.outputs.add(output)
+
+    def save_state(self, seq: int) -> State:
+        """The earlier outputs, which every sequence drafts from. Not the sequence's own text: the next request's
+        `begin` hands it over again (its prompt holds every token the slot kept)."""
+        buf = self.outputs.buf
+        return {"outputs": buf[buf != SEPARATOR], "output_lengths": ints(self.outputs.lengths)}
+
+    def restore_state(self, seq: int, state: State, n_vocab: int) -> None:
+        """Earlier outputs the store lacks join it as its oldest (in a fresh process: the saved store as it was)."""
+        tokens = token_ids(state, "outputs", n_vocab)
+        lengths = entry(state, "output_lengths")
+        if lengths.size and (lengths.min() < 1 or lengths.max() > len(tokens)) or int(lengths.sum()) != len(tokens):
+            raise StateError(f"'output_lengths' does not split the {len(tokens)} tokens of 'outputs'")
+        self.outputs.merge(np.split(tokens.astype(np.int32), np.cumsum(lengths)[:-1]) if lengths.size else [])
+        self.forget(seq)
+
+    def forget(self, seq: int) -> None:
+        self.n_text[seq] = 0  # the shared outputs stay
+
+    def slot_info(self, seq: int) -> dict:
+        return {"n_tokens": self.n_text[seq], "n_output_tokens": self.outputs.n_tokens}
 
     def draft_one(self, p: DraftParams) -> list[int]:
         seq = p.seq
