@@ -42,7 +42,6 @@ EPSILON = 1e-6  # floor(m * factor) as the reference computes it, robust to 0.1 
 class SuffixDraft:
     tokens: list[int] = field(default_factory=list)
     probs: list[float] = field(default_factory=list)  # estimated probability of each token, non-increasing
-    match_len: int = 0
 
     @property
     def score(self) -> float:
@@ -168,10 +167,10 @@ def speculate(buf: np.ndarray, pattern: list[int], n_max: int, settings: SuffixS
         group = range(lo + 1, hi + 1)
         caps = [settings.draft_cap(m, n_max) for m in group]
         path = follow(buf, ends[lengths >= hi], max(caps), settings.min_token_prob)
-        for m, cap in zip(group, caps):
+        for cap in caps:
             probs = path.probs[:cap]
             if probs and sum(probs) >= best.score:
-                best = SuffixDraft(path.tokens[:cap], probs, m)
+                best = SuffixDraft(path.tokens[:cap], probs)
         lo = hi
     return best
 
