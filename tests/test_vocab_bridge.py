@@ -118,6 +118,18 @@ def test_cli_drafts_with_another_vocabulary_and_counts_the_mapped_tokens(tiny_mo
     assert "#mapped tokens = " in text.stderr + text.stdout
 
 
+def test_cli_drafts_where_the_draft_tokens_outnumber_the_context(tiny_model_path, tiny_other_vocab_path):
+    """' b' is one target token and two draft tokens (281 has no counterpart): 60 of them are 119 draft positions of a
+    128-position context, so the draft cache holds the last window of the history only; the output is plain's."""
+    common = ["-m", str(tiny_model_path), "-p", " ".join(["b"] * 60), "-n", "40", "-c", "128", "--temp", "0", "--json"]
+    plain = spec_cli("run", *common)
+    spec = spec_cli("speculative-simple", *common, "-md", str(tiny_other_vocab_path), "--draft-max", "8",
+                    "--draft-p-min", "0")
+    assert spec.returncode == 0, spec.stderr
+    out = json.loads(spec.stdout)
+    assert out["content"] == json.loads(plain.stdout)["content"] and out["drafters"][0]["n_acc_tokens"] > 0
+
+
 def test_cli_refuses_a_pair_that_shares_too_little(tiny_model_path, tmp_path):
     alien = write_tiny_gguf(tmp_path / "alien.gguf", seed=0, vocab_changes={"rename_tokens": range(N_VOCAB)})
     r = spec_cli("speculative-simple", "-m", str(tiny_model_path), "-md", str(alien), "-p", "hi", "-n", "2")

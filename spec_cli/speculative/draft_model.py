@@ -88,8 +88,7 @@ class DraftModelDrafter(Drafter):
             if p0 is None:  # positions filled without this drafter: draft() catches up from the history
                 continue
             if p0 < self.offset[seq]:  # the target went back before the window: start over from position 0
-                self.offset[seq] = 0
-                self._trim(seq, 0)
+                self._restart(seq, 0)
             known = self.target_cache.tokens[seq]
             self.idle[seq] += 1
             if self.idle[seq] <= IDLE_STEPS and self._lag(seq, known) > DEFER_MAX:
@@ -107,8 +106,7 @@ class DraftModelDrafter(Drafter):
         for p in params:
             lag = self._lag(p.seq, p.prompt)
             if self.idle[p.seq] > IDLE_STEPS and lag > RESTART_WINDOW:
-                self._trim(p.seq, 0)
-                self.offset[p.seq] = p.pos0 - RESTART_WINDOW
+                self._restart(p.seq, p.pos0 - RESTART_WINDOW)
                 lag = RESTART_WINDOW
             if lag > CATCH_UP_MIN:
                 self._add_catch_up(batch, p.seq, p.prompt, p.pos0 - 1, seed=False)
@@ -252,17 +250,33 @@ class DraftModelDrafter(Drafter):
     def _add_catch_up(self, batch: Batch, seq: int, history: list[int], end: int, seed: bool) -> bool:
         """Add the rows that bring seq's draft cache to history[offset:end] (trimming what differs). With `seed` the
         last row is decoded even when cached, and flagged: its logits seed a draft. False, adding nothing, when a row
-        is outside a smaller draft vocabulary (then the sequence gets no draft)."""
+        is outside a smaller draft vocabulary, or another vocabulary's rows and a draft would not fit in the draft
+        context even from the last window (then the sequence gets no draft)."""
         wanted = self._draft_history(seq, history, end)
+        if self._overflows(wanted):  # another vocabulary may take more positions than the target's
+            self._restart(seq, max(0, end - RESTART_WINDOW))
+            wanted = self._draft_history(seq, history, end)
         start = common_prefix(self._synced(seq), wanted)
         if seed:
             start = min(start, len(wanted) - 1)
-        if start < 0 or start >= len(wanted) or max(wanted[start:]) >= self.ctx.config.n_vocab:
+        if start < 0 or start >= len(wanted) or self._overflows(wanted):
+            return False
+        if max(wanted[start:]) >= self.ctx.config.n_vocab:
             return False
         self._trim(seq, start)
         for pos in range(start, len(wanted)):
             batch.add(wanted[pos], pos, seq, seed and pos == len(wanted) - 1)
         return True
+
+    def _overflows(self, wanted: list[int]) -> bool:
+        """Whether draft rows `wanted` and a whole draft after them would pass the draft context: only with another
+        vocabulary (with the target's, the rows are the target's own, which fit)."""
+        return self.bridge is not None and len(wanted) + self.params.draft_max > self.ctx.n_ctx_seq
+
+    def _restart(self, seq: int, offset: int) -> None:
+        """Empty seq's draft cache, to hold the history from target position `offset` on."""
+        self._trim(seq, 0)
+        self.offset[seq] = offset
 
     def _decode(self, batch: Batch) -> torch.Tensor:
         """Decode in n_batch slices (a catch-up may exceed it) -> logits of the flagged rows, batch order."""
