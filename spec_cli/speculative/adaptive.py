@@ -167,6 +167,9 @@ class Planner:
         self.probe_catch_up: dict[str, float] = {}  # seconds the last probe of a drafter caught up
         self.mirroring_price: dict[str, float] = {}  # its dearest mirroring (a prompt's): priced until measured
         self.unasked: set[str] = set()  # model drafters not asked yet: their first ask finds the prompt in cache
+        # drafters whose draft is one forward whatever its length (draft-dflash's block): their drafting is priced
+        # per call, shared by the sequences of the step, so only the verify cost and acceptance choose the length
+        self.per_call: frozenset[str] = frozenset()
 
     # --- planning -------------------------------------------------------------------------------------------
 
@@ -243,7 +246,8 @@ class Planner:
         best_k, best = 0, (1.0 if name in self.free else 1.0 + ASK_MARGIN) / (plain / n_seq)
         for k in range(1, self.n_max + 1):
             verify = y * self.costs(n_seq * (1 + k)) + (1 - y) * plain
-            rate = (1 + y * (expected_tokens(gains, k) - 1)) / (verify / n_seq + k * per_token)
+            asking = per_token / n_seq if name in self.per_call else k * per_token
+            rate = (1 + y * (expected_tokens(gains, k) - 1)) / (verify / n_seq + asking)
             if rate > best:
                 best_k, best = k, rate
         return best_k
@@ -285,8 +289,9 @@ class Planner:
     # --- learning -------------------------------------------------------------------------------------------
 
     def observe_drafting(self, name: str, seconds: float, n_tokens: int) -> None:
-        """One draft call of drafter `name` took `seconds` and produced `n_tokens` over all sequences."""
-        self.draft_costs.setdefault(name, DraftCost()).observe(seconds, n_tokens)
+        """One draft call of drafter `name` took `seconds` and produced `n_tokens` over all sequences (a per-call
+        drafter's price is the call's)."""
+        self.draft_costs.setdefault(name, DraftCost()).observe(seconds, 1 if name in self.per_call else n_tokens)
 
     def observe_catch_up(self, name: str, seconds: float) -> None:
         """Drafter `name` spent `seconds` bringing its cache up to date before drafting (its `catch_up`): a probe's

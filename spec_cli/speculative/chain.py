@@ -29,6 +29,8 @@ class Chain:
         self.last: list[Drafter | None] = [None] * n_seq  # which drafter produced each sequence's current draft
         # --draft-max auto: what the planner learned about these drafters lives and resets with them
         self.planner = planner
+        if planner is not None:
+            planner.per_call = frozenset(d.name for d in drafters if d.per_call)
         self.select = select
         # what `gain` ranks proposals by: the planner's acceptance, else the chain's own (fed by accept())
         self.acceptance = planner.acceptance if planner is not None else AcceptanceModel()
