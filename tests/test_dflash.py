@@ -212,6 +212,18 @@ def test_greedy_speculation_equals_plain(target_path, drafters, plain_outputs, c
     assert session.chain.stats["draft-dflash"].n_gen_tokens > 0
 
 
+@pytest.mark.parametrize("n_seq", [1, 4])
+def test_greedy_speculation_with_draft_max_auto_equals_plain(target_path, drafters, plain_outputs, n_seq):
+    """--draft-max auto: the planner caps each block and cuts each draft (a flat verify cost: long blocks pay)."""
+    session = make_session(target_path, drafters["target-output"].path, "ngram-mod,draft-dflash", n_seq=n_seq,
+                           draft_max=16, adaptive=True)
+    session.engine.costs.set_points({1: 1.0, 16: 1.05, 64: 4.0})
+    assert session.chain.planner.per_call == {"draft-dflash"}
+    assert run_all(session, PROMPTS[:n_seq]) == plain_outputs[:n_seq]
+    stats = session.chain.stats["draft-dflash"]
+    assert stats.n_gen_tokens > 0 and len(stats.n_gen_tokens_per_pos) <= 7  # block_size 8
+
+
 @pytest.mark.parametrize("chain", ["draft-dflash", "ngram-mod,draft-dflash"])
 def test_a_cached_prompt_prefix_keeps_the_output(target_path, drafters, chain):
     """A second request reusing the first's prompt prefix from the KV cache (the server's prompt cache): the

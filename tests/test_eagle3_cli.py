@@ -1,6 +1,6 @@
 """draft-eagle3 through the installed `spec-cli` script and the server: `draft-train --type eagle3` on a tiny model,
 then `speculative-simple -md head.gguf` (the type inferred from the file) equal to plain decoding; -md's kind decides
-the type (eagle3, a model with NextN layers, a plain model; DFlash a clear error); bad or foreign heads and -tp are
+the type (eagle3, dflash, a model with NextN layers, a plain model); bad or foreign heads and -tp are
 one-line errors with the project's exit codes; a bench sweep and a server with slots and per-request types run it."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import httpx
 import pytest
 from gguf import GGUFReader, GGUFWriter
 
-from spec_cli.errors import SpecCliError, UsageError
+from spec_cli.errors import UsageError
 from spec_cli.runtime.engine import EngineOptions, implied_spec
 from spec_cli.speculative.base import SpecParams
 from tests.server_harness import LiveServer, greedy_reference
@@ -88,8 +88,7 @@ def test_the_type_comes_from_the_draft_file(files, tmp_path):
     assert types(head) == ["draft-eagle3"] and types(target) == ["draft-simple"] and types(mtp) == ["draft-mtp"]
     assert types(head, ["ngram-mod"]) == ["ngram-mod", "draft-eagle3"]
     assert types(target, ["draft-mtp"]) == ["draft-mtp", "draft-simple"]  # the target's own head + a draft model
-    with pytest.raises(SpecCliError, match="DFlash draft.*not run draft-dflash yet"):
-        types(dflash)
+    assert types(dflash) == ["draft-dflash"]
     with pytest.raises(UsageError, match="is an EAGLE-3 draft"):
         types(head, ["draft-simple"])
     with pytest.raises(UsageError, match="is a draft model"):

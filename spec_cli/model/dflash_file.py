@@ -30,6 +30,8 @@ from spec_cli.model.head_file import (
     check_vocabularies,
     finish,
     load_into,
+    metadata_key,
+    read_config,
     read_d2t,
 )
 from spec_cli.model.loader import LoadedModel
@@ -69,14 +71,7 @@ def read_layout(gf: GGUFFile, n_vocab: int) -> tuple[ModelConfig, DFlashLayout]:
     """The drafter's ModelConfig (n_embd H; n_vocab = the target's: its rows take target token ids) and the dflash
     keys, checked for presence and form."""
     name = gf.path.name
-
-    def key(k: str, default=None):
-        value = gf.get(f"{ARCH}.{k}", default)
-        if value is None:
-            raise SpecCliError(f"{name}: metadata key {ARCH}.{k} is missing (not a DFlash draft in llama.cpp's "
-                               "layout)")
-        return value
-
+    key = metadata_key(gf, "a DFlash draft")
     for k in UNSUPPORTED_KEYS:
         if gf.get(f"{ARCH}.{k}") not in (None, 0):
             raise SpecCliError(f"{name}: {ARCH}.{k} is set: this DFlash variant (sliding-window, DeepSeek-V4 or "
@@ -86,19 +81,11 @@ def read_layout(gf: GGUFFile, n_vocab: int) -> tuple[ModelConfig, DFlashLayout]:
     if mask is None or not 0 <= int(mask) < n_vocab:
         raise SpecCliError(f"{name}: {MASK_KEYS[0]} must name a token of the target's {n_vocab}-token vocabulary "
                            f"(got {mask!r})")
-    H, n_head, n_layer = int(key("embedding_length")), int(key("attention.head_count")), int(key("block_count"))
-    head_dim = int(key("attention.key_length", H // n_head))
     fc = gf.tensors.get("fc.weight")
     if fc is None or fc.shape[1] % len(layers):
         raise SpecCliError(f"{name}: fc.weight must read {len(layers)} target layers' features")
     causal = gf.get(f"{ARCH}.attention.causal", False) in (True, "true") or gf.get(f"{ARCH}.decoder_arch") == "laguna"
-    cfg = ModelConfig(
-        arch=ARCH, n_layer=n_layer, n_embd=H, n_ff=int(key("feed_forward_length")), n_head=n_head,
-        n_head_kv=int(key("attention.head_count_kv", n_head)), head_dim=head_dim, n_vocab=n_vocab,
-        n_ctx_train=int(key("context_length", 4096)), rms_eps=float(key("attention.layer_norm_rms_epsilon")),
-        rope_type="neox", rope_dim=int(key("rope.dimension_count", head_dim)),
-        rope_base=float(key("rope.freq_base", 10000.0)), rope_base_swa=float(key("rope.freq_base", 10000.0)),
-        rope_scale=1.0, attn_scale=head_dim ** -0.5, sliding_window=0, swa_layers=[False] * n_layer, qk_norm=True)
+    cfg = read_config(gf, key, int(key("block_count")), n_vocab, "neox", qk_norm=True)
     block = int(key("block_size", DEFAULT_BLOCK_SIZE))
     if block < 2:
         raise SpecCliError(f"{name}: {ARCH}.block_size must be at least 2 (got {block})")

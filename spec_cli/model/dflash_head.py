@@ -137,10 +137,20 @@ class DFlashHead(TargetSharedHead):
             h = layer.attn_norm(x)
             if kernel:
                 x = x + attend_on_kernels(layer.attn, h, plan, rope, k_cache, v_cache, until)
+                x = x + self._ffn_on_kernels(layer.ffn, layer.ffn_norm(x))
             else:
                 x = x + layer.attn(h, plan, rope, k_cache, v_cache)
-            x = x + layer.ffn(layer.ffn_norm(x))
+                x = x + layer.ffn(layer.ffn_norm(x))
         return x
+
+    @staticmethod
+    def _ffn_on_kernels(ffn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The FFN with its activation on the kernels too: no parallel region of torch's in a block (on a busy
+        machine each one waits for a sleeping thread)."""
+        if ffn.gate_up is None:
+            return ffn(x)
+        gate_up = ffn.gate_up(x).reshape(-1, 2 * ffn.gate_up.sizes[0])
+        return ffn.w_down(kernels.glu(gate_up, ffn.gate_up.sizes[0], ffn.gelu)).view(x.shape)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.draft_logits(hidden)

@@ -25,6 +25,8 @@ from spec_cli.model.head_file import (
     check_vocabularies,
     finish,
     load_into,
+    metadata_key,
+    read_config,
     read_d2t,
 )
 from spec_cli.model.loader import LoadedModel
@@ -62,30 +64,13 @@ def read_layout(gf: GGUFFile, n_vocab: int) -> tuple[ModelConfig, Eagle3Layout]:
     """The head's ModelConfig (n_embd H; n_vocab = the target's: its rows take target token ids) and the eagle3
     keys, checked for presence and form."""
     name = gf.path.name
-
-    def key(k: str, default=None):
-        value = gf.get(f"{ARCH}.{k}", default)
-        if value is None:
-            raise SpecCliError(f"{name}: metadata key {ARCH}.{k} is missing (not an EAGLE-3 draft in llama.cpp's "
-                               "layout)")
-        return value
-
+    key = metadata_key(gf, "an EAGLE-3 draft")
     layers = next((gf.get(k) for k in LAYER_KEYS if gf.get(k) is not None), None)
     if not isinstance(layers, list) or len(layers) != N_FEATURES:
         raise SpecCliError(f"{name}: {LAYER_KEYS[0]} must list {N_FEATURES} target layers (got {layers!r})")
     if int(key("block_count", 1)) != 1:
         raise SpecCliError(f"{name}: an EAGLE-3 draft has one decoder block, this file {key('block_count')}")
-    H, n_head = int(key("embedding_length")), int(key("attention.head_count"))
-    head_dim = int(key("attention.key_length", H // n_head))
-    scaling = gf.get(f"{ARCH}.rope.scaling.type", "none")
-    cfg = ModelConfig(
-        arch=ARCH, n_layer=1, n_embd=H, n_ff=int(key("feed_forward_length")), n_head=n_head,
-        n_head_kv=int(key("attention.head_count_kv", n_head)), head_dim=head_dim, n_vocab=n_vocab,
-        n_ctx_train=int(key("context_length", 4096)), rms_eps=float(key("attention.layer_norm_rms_epsilon")),
-        rope_type="norm", rope_dim=int(key("rope.dimension_count", head_dim)),
-        rope_base=float(key("rope.freq_base", 10000.0)), rope_base_swa=float(key("rope.freq_base", 10000.0)),
-        rope_scale=float(key("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0,
-        attn_scale=head_dim ** -0.5, sliding_window=0, swa_layers=[False])
+    cfg = read_config(gf, key, 1, n_vocab, "norm")
     layout = Eagle3Layout(
         target_layers=tuple(int(v) for v in layers), target_hidden=int(key("target_hidden_size")),
         norm_before_residual=bool(gf.get(f"{ARCH}.norm_before_residual", False)),

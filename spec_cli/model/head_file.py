@@ -6,6 +6,8 @@ converters write them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import gguf
 import gguf.quants
 import numpy as np
@@ -13,12 +15,45 @@ import torch
 from torch import nn
 
 from spec_cli.errors import SpecCliError
+from spec_cli.model.config import ModelConfig
 from spec_cli.model.gguf_file import GGUFFile
 from spec_cli.model.qlinear import QLinear, supports
 from spec_cli.model.quants import load_tensor
 from spec_cli.model.transformer import Embedding, Linear, RMSNorm
 
 D2T_NAMES = ("d2t", "d2t.weight")
+
+
+def metadata_key(gf: GGUFFile, what: str) -> Callable:
+    """key(name, default=None) -> the file's `{arch}.{name}`, a clear error where one without a default is missing
+    (`what`: the kind of draft the file should be, "an EAGLE-3 draft")."""
+    arch = gf.architecture
+
+    def key(name: str, default=None):
+        value = gf.get(f"{arch}.{name}", default)
+        if value is None:
+            raise SpecCliError(f"{gf.path.name}: metadata key {arch}.{name} is missing (not {what} in llama.cpp's "
+                               "layout)")
+        return value
+
+    return key
+
+
+def read_config(gf: GGUFFile, key: Callable, n_layer: int, n_vocab: int, rope_type: str,
+                qk_norm: bool = False) -> ModelConfig:
+    """The ModelConfig of a head file's usual keys (embedding_length, feed_forward_length, attention.*, rope.*); its
+    n_vocab is the target's (its rows take target token ids)."""
+    H, n_head = int(key("embedding_length")), int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", H // n_head))
+    linear = gf.get(f"{gf.architecture}.rope.scaling.type", "none") == "linear"
+    return ModelConfig(
+        arch=gf.architecture, n_layer=n_layer, n_embd=H, n_ff=int(key("feed_forward_length")), n_head=n_head,
+        n_head_kv=int(key("attention.head_count_kv", n_head)), head_dim=head_dim, n_vocab=n_vocab,
+        n_ctx_train=int(key("context_length", 4096)), rms_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_type=rope_type, rope_dim=int(key("rope.dimension_count", head_dim)),
+        rope_base=float(key("rope.freq_base", 10000.0)), rope_base_swa=float(key("rope.freq_base", 10000.0)),
+        rope_scale=float(key("rope.scaling.factor", 1.0)) if linear else 1.0, attn_scale=head_dim ** -0.5,
+        sliding_window=0, swa_layers=[False] * n_layer, qk_norm=qk_norm)
 
 
 def read_d2t(gf: GGUFFile, n_vocab: int, offsets_first: bool = False) -> list[int] | None:

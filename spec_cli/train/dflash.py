@@ -14,10 +14,10 @@ at a + k (top1 at a + k - 1), weighted exp(-(k - 1) / gamma), over the draft voc
 target chose most; a label outside it counts for nothing). The held-out estimate drafts one block per anchor.
 
 Init: draft layer i is a copy of the target's layer N - L + i (attention and FFN; per-head q/k norms 1, the target's
-q/k/v biases dropped); fc is the ridge regression from the K features at p to the target's final state at p, and
-enc.output_norm the first copied layer's attn_norm, so the injected keys and values start close to what that layer
-of the target computes; output_norm is the target's, the output the target's rows of the draft vocabulary, frozen
-like the embedding (DFlash's draft shares both with the target).
+q/k/v biases dropped); fc is the ridge regression from the K features at p to the target's final state at p + 1
+(the last context position's then predicts the first draft token, as EAGLE-3's init does), enc.output_norm the
+first copied layer's attn_norm; output_norm is the target's, the output the target's rows of the draft vocabulary,
+frozen like the embedding (DFlash's draft shares both with the target).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from spec_cli.options import train_default
 from spec_cli.train.data import ProgressFn
 from spec_cli.train.eagle3 import fit_fc, target_rows
 from spec_cli.train.eagle3_data import UNKNOWN, Windows, cached_windows, draft_vocabulary
-from spec_cli.train.loop import Loop, TrainResult, train_and_estimate, window_batches
+from spec_cli.train.loop import Loop, TrainResult, acceptance, train_and_estimate, window_batches
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # SpecForge's loss decay per block size; others: B / 2
 
@@ -121,7 +121,7 @@ def init_head(loaded: LoadedModel, train: Windows, layout: DFlashLayout, n_layer
         head.fc_norm.weight = param(head.layers[0].attn_norm.weight.detach().clone())
         head.out_norm.weight = param(loaded.model.norm.weight.detach())
         head.output.weight = param(target_rows(loaded, d2t), train=False)
-        head.fc.weight = param(fit_fc(train, cfg.ridge, shift=0))
+        head.fc.weight = param(fit_fc(train, cfg.ridge))
     head.draft_vocab = torch.tensor(d2t, dtype=torch.long)
     head.to(device)
     head.device, head.dtype = device, torch.float32
@@ -225,8 +225,7 @@ def estimate(head: DFlashHead, held: Windows, rows_of: torch.Tensor, batch: int,
             first.append(hits[..., 0][labels[..., 0] >= 0])
             whole = (labels >= 0).all(-1)
             lengths.append(hits.long().cumprod(-1).sum(-1)[whole])
-    first, lengths = torch.cat(first).float(), torch.cat(lengths).float()
-    return (first.mean().item() if first.numel() else 0.0, 1.0 + lengths.mean().item() if lengths.numel() else 1.0)
+    return acceptance(first, lengths)
 
 
 # --- the whole run ---------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from spec_cli.model.transformer import apply_rope
 from spec_cli.options import train_default
 from spec_cli.train.data import ProgressFn
 from spec_cli.train.eagle3_data import UNKNOWN, Windows, cached_windows, draft_vocabulary
-from spec_cli.train.loop import Loop, TrainResult, train_and_estimate, window_batches
+from spec_cli.train.loop import Loop, TrainResult, acceptance, train_and_estimate, window_batches
 
 STEP_DECAY = 0.8  # weight of training-time-test step j: 0.8^j
 RIDGE_ROWS = 16384  # positions the fc init is fitted on
@@ -235,8 +235,7 @@ def estimate(head: Eagle3Head, teacher: Teacher, held: Windows, cfg: Eagle3Train
             known = (w.top1[:, 1:] != UNKNOWN).unfold(1, n, 1)[:, : T - n].all(-1)  # every draft position chosen
             first.append(hits[..., 0][w.top1[:, 1 : T - n + 1] != UNKNOWN])
             lengths.append(hits.long().cumprod(-1).sum(-1)[known])
-    first, lengths = torch.cat(first).float(), torch.cat(lengths).float()
-    return (first.mean().item() if first.numel() else 0.0, 1.0 + lengths.mean().item() if lengths.numel() else 1.0)
+    return acceptance(first, lengths)
 
 
 # --- the whole run ---------------------------------------------------------------------------------------------

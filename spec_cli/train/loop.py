@@ -97,6 +97,14 @@ def window_batches(n_windows: int, batch: int, seed: int) -> Callable[[int], tor
 Estimate = Callable[[], tuple[float, float]]  # -> held-out (first-position acceptance, mean acceptance length)
 
 
+def acceptance(first: list[torch.Tensor], lengths: list[torch.Tensor]) -> tuple[float, float]:
+    """An estimate from its parts: whether each first draft token was accepted, and how many tokens each whole
+    draft had accepted -> (first-position acceptance, mean acceptance length counting the target's own token)."""
+    first_t, lengths_t = torch.cat(first).float(), torch.cat(lengths).float()
+    return (first_t.mean().item() if first_t.numel() else 0.0,
+            1.0 + lengths_t.mean().item() if lengths_t.numel() else 1.0)
+
+
 def train_and_estimate(loop: Loop, batch_loss: BatchLoss, estimate: Estimate, progress: ProgressFn | None,
                        t0: float, out_path: Path, train_tokens: int, gen_tokens: int,
                        eval_tokens: int) -> TrainResult:
