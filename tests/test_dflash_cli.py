@@ -8,12 +8,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import httpx
 import pytest
 from gguf import GGUFReader
 
-from tests.server_harness import LiveServer, greedy_reference
-from tests.server_harness import make_session as server_session
+from tests.head_checks import bench_sweep, server_types
 from tests.test_eagle3_cli import PROMPT, spec_cli
 from tests.tiny_dflash import write_tiny_dflash
 from tests.tiny_eagle3 import rewritten
@@ -84,32 +82,10 @@ def test_bad_drafters_other_types_flags_and_tp_are_one_line_errors(files, tmp_pa
 
 
 def test_a_bench_sweep_runs_draft_dflash(files):
-    d, target, drafter, _ = files
-    prompts = d / "prompts.jsonl"
-    prompts.write_text(json.dumps({"id": "p", "prompt": PROMPT}) + "\n")
-    run = spec_cli("bench", "-m", str(target), "-md", str(drafter), "--spec-type",
-                   "draft-dflash;ngram-mod,draft-dflash", "--prompts", str(prompts), "-n", "16", "--draft-max", "3,auto",
-                   "--draft-p-min", "0", "-r", "1", "-t", "1", "-dev", "cpu", "--no-warmup", "-o", "jsonl")
-    assert run.returncode == 0, run.stderr
-    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    spec = [r for r in rows if r.get("spec_type") not in (None, "none")]
-    assert {r["spec_type"] for r in spec} == {"draft-dflash", "ngram-mod,draft-dflash"} and len(spec) == 4
-    assert all(r["model_draft"] for r in spec) and any(r["n_drafted"] > 0 for r in spec)
+    d, target, md, _ = files
+    bench_sweep(spec_cli, target, md, "draft-dflash", d, PROMPT, "--draft-max", "3,auto", "--draft-p-min", "0")
 
 
 def test_server_slots_and_per_request_types(files):
-    _, target, drafter, _ = files
-    prompts = [PROMPT, "abc abc abc abc abc", "Hello world Hello world Hello world"]
-    ref = greedy_reference(target, prompts, 16)
-    session = server_session(target, n_seq=2, spec_types="ngram-mod,draft-dflash", draft=drafter, draft_max=3)
-    with LiveServer(session) as srv:
-        for prompt in prompts:
-            for types in (None, ["draft-dflash"], []):
-                body = {"prompt": prompt, "n_predict": 16, "temperature": 0, "return_tokens": True}
-                if types is not None:
-                    body["speculative"] = {"types": types}
-                out = httpx.post(srv.url + "/completion", json=body, timeout=120).json()
-                assert out["tokens"] == ref[prompt], (prompt, types)
-                assert out["generation_settings"]["speculative.types"] == (
-                    ["ngram-mod", "draft-dflash"] if types is None else types)
-    assert session.chain.stats["draft-dflash"].n_gen_tokens > 0
+    _, target, md, _ = files
+    server_types(target, md, "draft-dflash", PROMPT)

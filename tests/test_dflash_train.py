@@ -7,7 +7,6 @@ sequences; rejection sampling keeps the target's distribution at T > 0 with its 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -22,9 +21,9 @@ from spec_cli.model.sampling import SamplingParams
 from spec_cli.runtime.generate import generate
 from spec_cli.train.dflash import DFlashTrainConfig, block_states, default_layers, train
 from tests.draft_recorder import record_drafts
+from tests.head_checks import assert_it_learned, n_accepted, trained_and_untrained, training_prompts
 from tests.test_dflash import make_session, reference_draft, run_all
 from tests.test_eagle3 import target_features
-from tests.test_eagle3_train import training_prompts
 from tests.test_generate_sampling import exact_two_token_distribution
 from tests.tiny_dflash import LAYER_NAMES, TinyDFlash
 from tests.tiny_gguf import write_tiny_gguf
@@ -43,29 +42,17 @@ def target_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trained(target_path, tmp_path_factory):
     """(the trained drafter's path, its TrainResult, the training losses, the untrained drafter's path)."""
-    d = tmp_path_factory.mktemp("drafters")
-    lm = load_model(target_path, device="cpu", dtype="f32")
-    losses = []
-    result = train(lm, d / "trained.gguf", CFG, lambda p: losses.append(p.info["loss"]) if p.stage == "train" else None)
-    untrained = train(lm, d / "untrained.gguf", replace(CFG, steps=0))
-    return result.out_path, result, losses, untrained.out_path
+    return trained_and_untrained(train, target_path, tmp_path_factory.mktemp("drafters"), CFG)
 
 
 def test_training_lowers_the_loss_and_raises_the_held_out_acceptance(trained):
     _, result, losses, _ = trained
-    assert len(losses) == CFG.steps and np.mean(losses[-20:]) < 0.6 * np.mean(losses[:20])
-    assert result.acc_after > result.acc_before + 0.05 and result.mean_len_after > result.mean_len_before
-    assert result.out_path.with_suffix(".ckpt.pt").exists()
+    assert_it_learned(result, losses, CFG.steps)
 
 
 def test_the_trained_drafter_accepts_more_than_the_untrained_one(target_path, trained):
     path, _, _, untrained = trained
-    accepted = {}
-    for name, drafter in (("trained", path), ("untrained", untrained)):
-        session = make_session(target_path, drafter, draft_max=3)
-        accepted[name] = sum(generate(session.generator(), p, GREEDY, 24).n_accepted
-                             for p in training_prompts(target_path, 4))
-    assert accepted["trained"] > accepted["untrained"] + 4
+    assert n_accepted(make_session, target_path, path) > n_accepted(make_session, target_path, untrained) + 4
 
 
 def read_back(path, target_path) -> TinyDFlash:

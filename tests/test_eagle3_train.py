@@ -7,7 +7,6 @@ T > 0); the training requests are none of the built-in prompt sets'."""
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -18,11 +17,10 @@ from spec_cli.model.loader import load_model
 from spec_cli.model.sampling import SamplingParams
 from spec_cli.runtime.generate import generate
 from spec_cli.text.prompt_sets import load_prompt_set
-from spec_cli.text.tokenizer import Tokenizer
 from spec_cli.train.eagle3 import Eagle3TrainConfig, train
-from spec_cli.train.eagle3_data import request_prompts
 from spec_cli.train.requests import all_requests, is_held_out
 from tests.draft_recorder import record_drafts
+from tests.head_checks import assert_it_learned, n_accepted, trained_and_untrained, training_prompts
 from tests.test_eagle3 import make_session, reference_draft
 from tests.test_generate_sampling import exact_two_token_distribution
 from tests.tiny_eagle3 import N_HEAD, N_KV, TinyEagle3
@@ -41,34 +39,17 @@ def target_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trained(target_path, tmp_path_factory):
     """(the trained head's path, its TrainResult, the training losses, the untrained head's path)."""
-    d = tmp_path_factory.mktemp("heads")
-    lm = load_model(target_path, device="cpu", dtype="f32")
-    losses = []
-    result = train(lm, d / "trained.gguf", CFG, lambda p: losses.append(p.info["loss"]) if p.stage == "train" else None)
-    untrained = train(lm, d / "untrained.gguf", replace(CFG, steps=0))
-    return result.out_path, result, losses, untrained.out_path
-
-
-def training_prompts(target_path, n: int) -> list[list[int]]:
-    tok = Tokenizer.from_metadata(load_model(target_path, device="cpu").gguf.metadata)
-    return request_prompts(tok, [r for r in all_requests() if not is_held_out(r)][:n], 16)
+    return trained_and_untrained(train, target_path, tmp_path_factory.mktemp("heads"), CFG)
 
 
 def test_training_lowers_the_loss_and_raises_the_held_out_acceptance(trained):
     _, result, losses, _ = trained
-    assert len(losses) == CFG.steps and np.mean(losses[-20:]) < 0.6 * np.mean(losses[:20])
-    assert result.acc_after > result.acc_before + 0.05 and result.mean_len_after > result.mean_len_before
-    assert result.out_path.with_suffix(".ckpt.pt").exists()
+    assert_it_learned(result, losses, CFG.steps)
 
 
 def test_the_trained_head_accepts_more_than_the_untrained_one(target_path, trained):
     path, _, _, untrained = trained
-    accepted = {}
-    for name, head in (("trained", path), ("untrained", untrained)):
-        session = make_session(target_path, head, draft_max=3)
-        accepted[name] = sum(generate(session.generator(), p, GREEDY, 24).n_accepted
-                             for p in training_prompts(target_path, 4))
-    assert accepted["trained"] > accepted["untrained"] + 4
+    assert n_accepted(make_session, target_path, path) > n_accepted(make_session, target_path, untrained) + 4
 
 
 def read_back(path, target_path) -> TinyEagle3:
