@@ -565,6 +565,9 @@ SERVER = ("Server", [
     Opt("max_body_mib", int, 8, ("--max-body-mib",), "largest request body in MiB (413 above it)", ge=1),
     Opt("read_timeout", float, 30.0, ("--read-timeout",), "seconds a request has to arrive whole, headers and body, "
         "from its first byte (and a new connection to send one): 408 and the connection closed after", gt=0.0),
+    Opt("slot_save_path", Optional[str], None, ("--slot-save-path",), "directory of the slot files of POST "
+        "/slots/{id}?action=save|restore|erase (created if missing; the slot actions are off without it)",
+        metavar="DIR", parse=nonempty),
 ])
 
 SERVER_OPTIONS = {o.name: o for o in SERVER[1]}

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -31,6 +33,7 @@ from spec_cli.speculative.adaptive import (
     Planner,
     expected_tokens,
 )
+from spec_cli.speculative.base import Drafter, DraftParams
 from spec_cli.speculative.chain import Chain
 from spec_cli.speculative.verify_costs import CostModel
 from tests.test_bench_run import prompt_file, tiny  # noqa: F401 (fixture)
@@ -138,15 +141,34 @@ def test_cost_online_update_is_a_mean_with_the_curve_until_it_is_an_ema():
     assert costs(2) == pytest.approx(2.1 + verify_costs.COST_EMA * 1.0)
 
 
-def test_unseen_rows_take_the_gap_at_the_nearest_observed_rows():
+def test_unseen_rows_move_with_the_nearest_observed_rows_by_the_lower_reading():
+    """Steps above the calibration by a fixed gap (what a bare forward does not see) move unseen row counts by
+    that gap, not in proportion; steps below it (a machine faster than when it was calibrated) move them in
+    proportion, not by the gap: each time the lower reading, interpolated between observed row counts."""
     costs = CostModel()
     costs.set_points({1: 1.0, 4: 1.3, 8: 2.1})
     assert costs(3) == pytest.approx(1.2)  # nothing observed: the curve
-    costs.observe(1, 1.4)  # 1.2: 0.2 above the curve
-    assert costs(3) == pytest.approx(1.2 + 0.2)  # beyond the observed rows: the nearest one's gap
-    costs.observe(4, 0.9)  # the mean of 1.5 (the curve moved by that gap) and 0.9: 0.1 below the curve
-    assert costs(2) == pytest.approx(1.1 + 0.2 - 0.3 / 3)  # between: interpolated
-    assert costs(8) == pytest.approx(2.1 - 0.1)
+    costs.observe(1, 1.4)  # 1.2: 0.2 (20 %) above the curve
+    assert costs(3) == pytest.approx(1.2 + 0.2)  # beyond the observed rows: the nearest one's gap (not 1.2 x 1.2)
+    costs.observe(4, 0.9)  # the mean of 1.5 (the curve moved by that gap) and 0.9: 1.2, 0.1 below the curve
+    assert costs(2) == pytest.approx(1.1 + 0.2 - 0.3 / 3)  # between: the gaps interpolated
+    assert costs(8) == pytest.approx(2.1 * 1.2 / 1.3)  # beyond: in proportion (the gap would read 2.0)
+
+
+def test_a_curve_calibrated_in_a_slower_phase_does_not_make_long_verifies_look_dear():
+    """A cached calibration taken when the machine ran at half today's speed (another phase, another load), steps
+    then observed at 1 and 3 rows only: a 17-row verify reads half its calibrated time, as the short ones do. By
+    the gap it read 9.7 one-row forwards where it costs 5.3, and ngram-mod's 16-token drafts, accepted whole, were
+    cut to 2 tokens for good (issue 46)."""
+    today = {1: 0.0145, 2: 0.018, 3: 0.020, 4: 0.028, 6: 0.034, 8: 0.040, 12: 0.058, 16: 0.075}
+    costs = CostModel()
+    costs.set_points({rows: 2 * seconds for rows, seconds in today.items()})
+    for _ in range(20):
+        costs.observe(1, today[1])
+        costs.observe(3, today[3])
+    assert costs(17) == pytest.approx(costs.curve(17) / 2, rel=0.02)  # 5.4 one-row forwards, not 10
+    planner = planner_with(costs, {"ngram-mod": 0.995})
+    assert planner.plan([("ngram-mod", 16)], 0.0) == [16]
 
 
 def test_cold_copies_share_the_calibration():
@@ -312,8 +334,8 @@ def test_a_model_drafter_is_asked_only_clear_of_break_even():
 
     # one draft token: 1.5 expected tokens per 1.2 + its price, against 1 per 1.0
     assert cap(0.27, free=False) == 0  # 1.02x
-    assert cap(0.27, free=True) == 1
     assert cap(0.16, free=False) == 1  # 1.10x
+    assert cap(0.27, free=True) == AUTO_DRAFT_MAX  # asked for its whole draft, which `plan` cuts
 
 
 def test_draft_cost_caps_drafting_but_a_paid_draft_is_verified():
@@ -372,32 +394,45 @@ def test_a_useless_drafter_is_probed_with_growing_gaps_and_recovers():
     assert planner.probe_gap["x"] == 2 * PROBE_GAP_MIN  # start over at the shortest gap
 
 
-def test_a_free_drafters_probe_stays_due_until_it_has_a_draft():
-    """An n-gram drafter planned at 0 is asked step after step once its probe is due (asking costs nothing), and
-    the probe is spent on the first step where it has a draft: a probe that finds nothing teaches nothing, so it
-    must not push the next one a doubled gap away (a copied block starting just after it would be decoded
-    plainly). Between probes it is not asked: in a chain its draft would take the step from the next drafter."""
+def test_a_free_drafter_planned_at_0_is_shadowed_not_probed():
+    """An n-gram drafter whose drafts do not pay is never verified: it is shadowed, i.e. asked apart from the other
+    drafters (in a chain its draft must not take the step from them) and its draft scored against the tokens the
+    step commits. A shadow stays due step after step until the drafter has a draft to score (one that finds
+    nothing teaches nothing), then comes back at the gap that keeps its asking within PROBE_BUDGET. A model
+    drafter planned at 0 still gets verified 1-token probes (its asking costs forwards)."""
     planner = planner_with(flat(), {"x": 0.0, "y": 0.0})
     free = frozenset({"x"})
-    assert planner.drafting_caps(["x"], 1, free) == {"x": 1}  # step 1: the probe is due ...
-    assert planner.plan([(None, 0)], 0.0) == [0]  # ... and x had nothing to draft
-    for _ in range(5):  # so it stays due, step after step, until x has a draft
-        assert planner.drafting_caps(["x"], 1, free) == {"x": 1} and "x" in planner.probing
-        planner.plan([(None, 0)], 0.0)
-    planner.drafting_caps(["x"], 1, free)
-    assert planner.plan([("x", 3)], 0.0) == [1]  # the probe: one token of the first draft
-    probe_step = planner.step
-    for _ in range(PROBE_GAP_MIN - 1):  # then not asked until the next probe is due
-        assert planner.drafting_caps(["x"], 1, free) == {"x": 0} and "x" not in planner.probing
-        assert planner.plan([(None, 0)], 0.0) == [0]
-    planner.drafting_caps(["x"], 1, free)
-    assert planner.step == probe_step + PROBE_GAP_MIN and planner.plan([("x", 3)], 0.0) == [1]
-    # a model drafter (not free) gets its first probe FIRST_PROBE_AFTER steps in, is not asked before it, and an
-    # empty probe is spent
+    for _ in range(5):
+        assert planner.drafting_caps(["x"], 1, free) == {"x": 0} and planner.shadowing == {"x"}
+        assert planner.plan([(None, 0)], 0.0) == [0]  # nothing verified, no probe
+    planner.observe_drafting("x", 9.0, 1)  # the first call is not priced
+    planner.observe_drafting("x", 0.05, 0)  # a lookup costs 5 % of a forward
+    planner.observe_shadow("x", 1, 0)  # scored: its first token was not the target's
+    assert planner.acceptance.counts["x"][0][:2] == [0.0, 1.0]  # a trial of position 1, not a hit
+    gap = round(0.05 / (PROBE_BUDGET * 1.0))
+    shadowed = [(planner.drafting_caps(["x"], 1, free), "x" in planner.shadowing) for _ in range(gap)]
+    assert shadowed == [({"x": 0}, False)] * (gap - 1) + [({"x": 0}, True)]
+    planner.acceptance.gains = lambda name: [(0.99 if name == "x" else 0.0) ** j for j in range(1, AUTO_DRAFT_MAX + 1)]
+    assert planner.drafting_caps(["x"], 1, free) == {"x": AUTO_DRAFT_MAX} and not planner.shadowing
     asks = [planner.drafting_caps(["y"], 1)["y"] for _ in range(FIRST_PROBE_AFTER + 1)]
-    assert asks == [0] * FIRST_PROBE_AFTER + [1]
-    planner.plan([(None, 0)], 0.0)
-    assert planner.drafting_caps(["y"], 1) == {"y": 0}
+    assert asks == [0] * FIRST_PROBE_AFTER + [1] and not planner.shadowing
+
+
+def test_a_free_drafter_is_asked_for_its_whole_draft_whatever_its_lookups_cost():
+    """Issue 46: ngram-mod drafts on few steps of a code edit (where its hashed history continues a copied block),
+    and its lookup's time, priced per drafted token on every ask against a gain that comes with one ask in ten,
+    capped it at a few tokens or dropped it, where its copied blocks were accepted whole. Asking an n-gram drafter
+    costs nothing (Drafter.cheap): it is asked for its whole draft, and `plan` verifies all of it."""
+    costs = CostModel()  # a 0.5b-like curve (s): a 17-row verify costs 5.3 one-row forwards
+    costs.set_points({1: 0.0145, 2: 0.018, 3: 0.020, 4: 0.028, 6: 0.034, 8: 0.040, 12: 0.058, 16: 0.075})
+    planner = planner_with(costs, {"ngram-mod": 0.99})
+    for _ in range(40):
+        planner.observe_drafting("ngram-mod", 0.001, 0)  # 1 ms a lookup (a busy machine), mostly without a draft
+        planner.observe_yield("ngram-mod", 1, 0)
+    planner.observe_yield("ngram-mod", 1, 1)
+    assert planner.yields["ngram-mod"] < 0.15
+    assert planner.drafting_caps(["ngram-mod"], 1, frozenset({"ngram-mod"})) == {"ngram-mod": AUTO_DRAFT_MAX}
+    assert planner.plan([("ngram-mod", AUTO_DRAFT_MAX)], 0.001) == [AUTO_DRAFT_MAX]
 
 
 def test_a_right_but_dear_drafter_is_probed_ever_more_rarely():
@@ -489,6 +524,62 @@ def test_a_dropped_drafter_comes_back_only_through_a_probe():
     assert gap > 0 and all(planner.drafting_caps(["x"], 1) == {"x": 0} for _ in range(gap))  # ... not asked
     assert planner.drafting_caps(["x"], 1) == {"x": 1}  # until its probe
     assert planner.drafting_caps(["x"], 1)["x"] > 1  # whose evidence brings it back
+
+
+# --- a recorded trace ------------------------------------------------------------------------------------------
+
+TRACE = Path(__file__).parent / "traces" / "ngram-mod-code-edit-0.5b.json"
+
+
+def replay_trace(trace: dict, planner: Planner) -> list[tuple[int, int, int]]:
+    """A recorded acceptance trace (scripts/record_acceptance_trace.py: per step, the drafter's draft, how much of
+    it the target accepted when it verified all of it, the drafting time) fed to `planner` step by step as the step
+    loop feeds it: caps, drafting, plan, then what the target's tokens say of the verified tokens, of the first
+    token a cut removed (scored against the target's own token) and of a shadowed drafter's draft. Each step
+    replays as recorded (a cut draft's tail is not drafted again at the next step). Returns per recorded draft
+    (its length, its tokens accepted, its tokens verified now)."""
+    name = trace["spec_type"]
+    free = frozenset({name})
+    out = []
+    for proposed, accepted, draft_us in (step for prompt in trace["prompts"] for step in prompt):
+        cap = planner.drafting_caps([name], 1, free)[name]
+        shadowed = name in planner.shadowing
+        drafted = min(proposed, cap)
+        if cap or shadowed:
+            planner.observe_yield(name, 1, int(proposed > 0))
+            planner.observe_drafting(name, draft_us / 1e6, drafted)
+        k = planner.plan([(name if drafted else None, drafted)], draft_us / 1e6 if cap or shadowed else 0.0)[0]
+        if k < drafted and accepted >= k:
+            planner.observe_accept(name, k + 1, k + (accepted > k))
+        elif k:
+            planner.observe_accept(name, k, min(k, accepted))
+        if shadowed and proposed:
+            planner.observe_shadow(name, 1, int(accepted > 0))
+        if proposed:
+            out.append((proposed, accepted, k))
+    return out
+
+
+def test_a_recorded_ngram_mod_trace_verifies_the_long_drafts_that_pay():
+    """Issue 46, from a real run (qwen2.5-coder-0.5b on the code-edit prompts, ngram-mod at --draft-max 16: the
+    trace file names its command): ngram-mod drafts on 14 of 195 steps, where an edit copies a block, and 13 of its
+    drafts were accepted whole. On the run's verify-cost curve a whole 16-token draft verified whole commits 17
+    tokens for 4.7 one-row forwards, more per second than any cut of it: the planner must verify such drafts whole
+    once its first drafts have taught it (it starts from the prior of a drafter never seen, a_1 = 0.5). Before, it
+    priced the drafter's lookups per drafted token (one of them took 7 ms) and dropped it: the last edit's three
+    drafts, 37 tokens all accepted, were not verified at all."""
+    trace = json.loads(TRACE.read_text())
+    costs = CostModel()
+    costs.set_points({int(rows): ms / 1000 for rows, ms in trace["verify_ms"].items()})
+    drafts = replay_trace(trace, Planner(costs))
+
+    def pays_whole(n: int) -> bool:
+        return (1 + n) / costs(1 + n) > max((1 + j) / costs(1 + j) for j in range(n))
+
+    paying = [(n, k) for n, accepted, k in drafts if accepted == n and pays_whole(n)]
+    assert len(paying) == 13
+    learning = 3  # planned mostly from the prior
+    assert [k for _, k in paying[learning:]] == [n for n, _ in paying[learning:]]
 
 
 # --- lossless, end to end ------------------------------------------------------------------------------------
@@ -641,6 +732,82 @@ def test_catching_up_a_lagging_cache_is_not_priced_as_drafting():
     spent = chain.draft([p])
     assert p.result == [7] and spent["draft-simple"] < 0.05
     assert chain.stats["draft-simple"].t_draft_us >= 0.05e6  # still the drafter's time in the statistics
+
+
+@pytest.mark.parametrize("chain, draft_min", [("ngram-simple", 0), ("draft-simple", 3)])
+def test_the_first_token_a_cut_removed_is_scored_against_the_targets_token(tiny_model_path, tiny_close_draft_path,
+                                                                          plain_outputs, monkeypatch, chain,
+                                                                          draft_min):
+    """Under match verification a draft token is accepted exactly when it equals the token the target commits at its
+    position. So where the plan cut a draft (to 1 token here; a draft model's, below its --draft-min, to none) and
+    every verified token was accepted, the target's own next token says whether the first token cut off would have
+    been: the planner hears of it as tried (else a position the plan stopped verifying keeps its estimate for good).
+    Checked against the committed output, lossless."""
+    events = []
+    monkeypatch.setattr(Planner, "drafting_caps", lambda self, names, n_seq, free=frozenset(): {})  # whole drafts
+    monkeypatch.setattr(Planner, "plan", lambda self, drafts, drafting_s: [min(n, 1) for _, n in drafts])
+    cut, observe = Chain.cut, Planner.observe_accept
+
+    def cutting(self, p, n):
+        draft = list(p.result)
+        cut(self, p, n)
+        events.append(("cut", p.pos0, draft, len(p.result)))
+
+    monkeypatch.setattr(Chain, "cut", cutting)
+    monkeypatch.setattr(Planner, "observe_accept",
+                        lambda self, name, n, a: (events.append((n, a)), observe(self, name, n, a))[1])
+    session = make_session(tiny_model_path, chain, draft=tiny_close_draft_path, draft_max=AUTO_DRAFT_MAX, adaptive=True,
+                           draft_min=draft_min)
+    scored = 0
+    for prompt, expected in zip(PROMPTS, plain_outputs):
+        events.clear()
+        out, seq = run(session, prompt)
+        assert out == expected
+        committed = seq.tokens + [seq.id_last]  # committed[i]: the token at position i
+        for event, heard in zip(events, events[1:]):
+            if event[0] != "cut":
+                continue
+            _, pos0, draft, n = event
+            target = committed[pos0 + 1 : pos0 + 2 + n]  # the target's tokens at the draft's first n + 1 positions
+            if draft[:n] == target[:n]:
+                assert heard == (n + 1, n + (draft[n] == target[n]))
+                scored += 1
+    assert scored > 0, "no cut draft had all its verified tokens accepted: the test proves nothing"
+
+
+def test_a_free_drafter_that_does_not_pay_is_scored_without_verifying(tiny_model_path, plain_outputs, monkeypatch):
+    """Where no draft pays for its verify rows (here every row costs a whole forward), an n-gram drafter is never
+    verified, not even a probe's token: it is asked apart and its drafts scored against the committed tokens, so
+    its estimates go on learning for the price of its lookups alone. Lossless."""
+    monkeypatch.setattr(CostModel, "observe", lambda *a: None)
+    session = auto_session(tiny_model_path, "ngram-simple", None)
+    session.engine.costs.set_points({1: 1.0, 64: 64.0})
+    for prompt, expected in zip(PROMPTS, plain_outputs):
+        out, seq = run(session, prompt)
+        assert out == expected and seq.n_drafted == 0
+    stats = session.chain.stats["ngram-simple"]
+    assert stats.n_proposed > 0 and stats.n_gen_drafts == 0
+    hits, trials, _ = session.chain.planner.acceptance.counts["ngram-simple"][0]
+    assert trials > 0 and hits > 0
+
+
+def test_a_shadowed_drafter_does_not_take_the_step_from_the_drafters_after_it():
+    class Fixed(Drafter):
+        def __init__(self, name: str, token: int, cheap: bool):
+            self.name, self.token, self.cheap = name, token, cheap
+
+        def draft(self, params):
+            for p in params:
+                if p.drafting:
+                    p.result = [self.token] * 3
+
+    chain = Chain([Fixed("lookup", 7, cheap=True), Fixed("model", 9, cheap=False)], n_seq=1)
+    p = DraftParams(seq=0, n_max=4, pos0=3, id_last=1, prompt=[1, 2, 3])
+    chain.draft([p], shadow=frozenset({"lookup"}))
+    assert p.result == [9, 9, 9] and chain.winner(0) == "model"
+    assert chain.shadows == {0: [("lookup", [7, 7, 7])]}
+    chain.draft([replace(p, result=[], drafting=True)])
+    assert chain.shadows == {}  # one step's shadows only
 
 
 def test_per_request_n_max_still_caps_auto(tiny_model_path, plain_outputs, tiled_costs):

@@ -83,3 +83,11 @@ def test_the_top_level_shows_the_layers():
     """The top of the package holds the layers' packages and the few modules everything shares, nothing else."""
     entries = sorted(p.name for p in ROOT.iterdir() if p.name != "__pycache__")
     assert len(entries) <= 12, entries
+
+
+def test_functions_are_under_60_lines():
+    """A function of 60 lines or more has a seam to split it along."""
+    long = [f"{m}.{node.name}: {node.end_lineno - node.lineno + 1} lines" for m, path in sorted(MODULES.items())
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 >= 60]
+    assert not long, "\n".join(long)

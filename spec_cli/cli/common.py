@@ -11,6 +11,7 @@ from spec_cli.errors import SpecCliError, UsageError
 from spec_cli.model.sampling import SamplingParams
 from spec_cli.runtime.engine import Engine
 from spec_cli.runtime.generate import Emitted, Sequence, generate
+from spec_cli.runtime.memory import measured
 from spec_cli.runtime.session import Session
 
 
@@ -110,6 +111,7 @@ class RunResult:
             "predicted_n": self.n_gen,
             "predicted_ms": round(self.t_gen_ms, 3),
             "predicted_per_second": _rate(self.n_gen, self.t_gen_ms),
+            "memory": measured(engine, session.chain.drafters if session.chain else ()),
         }
         if session.chain is not None:
             out.update(

@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from spec_cli.cli.options import with_options
-from spec_cli.cli.output import print_json, print_lookup_text_log, run_table, stderr
+from spec_cli.cli.output import memory_table, print_json, print_lookup_text_log, run_table, stderr
 from spec_cli.errors import UsageError
 from spec_cli.options import CHUNKS, LOG, MODEL, PROMPT, SAMPLING, SPEC, draft_bound, pick
 
@@ -57,6 +57,7 @@ def lookup(
         return
     stderr.print()
     stderr.print(run_table(summary))
+    stderr.print(memory_table(summary["memory"]))
     stderr.print(figures_table("lookup", summary))
 
 

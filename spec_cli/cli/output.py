@@ -11,6 +11,7 @@ from rich.table import Table
 from spec_cli.speculative.stats import DrafterStats
 
 stderr = Console(stderr=True)
+MIB = 1 << 20
 
 
 def print_json(obj: dict) -> None:
@@ -25,6 +26,22 @@ def run_table(d: dict) -> Table:
     t.add_row("prompt", str(d["prompt_n"]), f"{d['prompt_ms']:.1f}", f"{d['prompt_per_second']:.2f}")
     t.add_row("generation", str(d["predicted_n"]), f"{d['predicted_ms']:.1f}", f"{d['predicted_per_second']:.2f}")
     return t
+
+
+def memory_table(memory: dict) -> Table:
+    """Bytes of weights and KV cache per model and head (runtime/memory.py), in MiB."""
+    t = Table(title="memory", title_justify="left", header_style="bold")
+    for col in ("", "device", "weights MiB", "KV cache MiB"):
+        t.add_column(col, justify="right" if col.endswith("MiB") else "left")
+    for name, part in memory.items():
+        t.add_row(name, "+".join(part.get("devices", [])), f"{part['weights'] / MIB:.1f}", f"{part['kv'] / MIB:.1f}")
+    return t
+
+
+def memory_lines(memory: dict) -> str:
+    """The memory figures as llama.cpp-style lines (`--log-format text`)."""
+    return "".join(f"memory: {name:<11} weights = {part['weights'] / MIB:9.2f} MiB, KV cache = {part['kv'] / MIB:9.2f} "
+                   "MiB\n" for name, part in memory.items())
 
 
 def speculation_table(d: dict) -> Table:
@@ -71,6 +88,7 @@ def drafter_table(drafters: list[dict]) -> Table:
 def print_summary(d: dict) -> None:
     stderr.print()
     stderr.print(run_table(d))
+    stderr.print(memory_table(d["memory"]))
     if "n_drafted" in d:
         stderr.print(speculation_table(d))
         stderr.print(drafter_table(d["drafters"]))
@@ -106,3 +124,5 @@ def _text_log(d: dict, stats: str) -> None:
       f"speed: {d['predicted_per_second']:8.3f} t/s\n\n")
     w(stats)
     w(f"\ntarget:\n\nload time = {d['load_ms']:10.2f} ms\n")
+    if "memory" in d:
+        w("\n" + memory_lines(d["memory"]))

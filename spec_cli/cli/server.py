@@ -10,9 +10,12 @@ llama-server's "auto"; a prompt longer than a slot's context is refused with a 4
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 from spec_cli.cli.options import with_options
+from spec_cli.errors import SpecCliError
 from spec_cli.options import MODEL, SAMPLING, SERVER, SPEC
 
 
@@ -23,6 +26,7 @@ def server(opts: dict) -> int:
     SIGTERM or SIGINT (^C) stops it: requests in flight get a few seconds to finish, then a 503; the exit status is
     0 after SIGTERM and 130 after SIGINT."""
     from spec_cli.cli.settings import engine_options, sampling_params
+    from spec_cli.runtime.memory import measured, size
     from spec_cli.runtime.session import open_session
     from spec_cli.server import ServerSettings, create_app
     from spec_cli.server.serve import serve
@@ -33,10 +37,26 @@ def server(opts: dict) -> int:
                               chat_template=opts["chat_template"],
                               allowed_hosts=[host, *(opts["allowed_hosts"] or "").split(",")],
                               max_body=opts["max_body_mib"] << 20,
-                              read_timeout=opts["read_timeout"])
+                              read_timeout=opts["read_timeout"], slot_save_path=slot_dir(opts["slot_save_path"]))
     session = open_session(engine_options(opts, n_seq=opts["parallel"]))
     app = create_app(session, settings)
     engine, types = session.engine, ",".join(session.types) or "none"
+    used = measured(engine, session.chain.drafters if session.chain else ())["total"]
     print(f"spec-cli server: http://{host}:{port}  model {engine.target.gguf.path.name}, {opts['parallel']} slots of "
-          f"{engine.ctx.n_ctx_seq} tokens, --spec-type {types}", file=sys.stderr)
+          f"{engine.ctx.n_ctx_seq} tokens, --spec-type {types}; memory: weights {size(used['weights'])}, KV cache "
+          f"{size(used['kv'])}", file=sys.stderr)
     return serve(app, host, port)
+
+
+def slot_dir(value: str | None) -> Path | None:
+    """--slot-save-path as an absolute directory, created if missing (a SpecCliError where it cannot be)."""
+    if value is None:
+        return None
+    path = Path(value).expanduser().resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SpecCliError(f"--slot-save-path {value}: cannot create the directory ({e.strerror})") from None
+    if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
+        raise SpecCliError(f"--slot-save-path {value}: the directory is not readable and writable")
+    return path

@@ -11,13 +11,23 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from spec_cli.errors import SpecCliError
+from spec_cli.errors import SpecCliError, StateError
 from spec_cli.model.batch import Batch
+from spec_cli.model.config import ModelConfig
 from spec_cli.model.loader import LoadedModel
+from spec_cli.model.state_arrays import State, array_of, copy_into, fits, scalar
 from spec_cli.model.transformer import ForwardPlan
 from spec_cli.options import default
+
+
+def kv_shape(cfg: ModelConfig, n_ctx: int, n_seq: int) -> tuple[int, int, int, int]:
+    """One layer's K (or V) cache: [n_seq, kv_heads, n_ctx / n_seq + 1, head_dim]. The spare cell past each sequence's
+    context is where a CUDA graph's padded rows write when a step fills the sequence (cuda_graphs.py); nothing
+    attends it."""
+    return n_seq, cfg.n_head_kv, n_ctx // n_seq + 1, cfg.head_dim
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -49,11 +59,8 @@ class Context:
         self.n_ctx_seq = n_ctx // n_seq
         self.n_batch = max(1, n_batch)
         self.n_ubatch = max(1, min(n_ubatch, self.n_batch))
-        cfg = self.config
         kv_dtype = self.model.dtype
-        # one spare cell past each sequence's context: where a CUDA graph's padded rows write when a step fills
-        # the sequence (cuda_graphs.py); nothing attends it
-        shape = (n_seq, cfg.n_head_kv, self.n_ctx_seq + 1, cfg.head_dim)
+        shape = kv_shape(self.config, n_ctx, n_seq)
         self.kv = [
             (torch.zeros(shape, dtype=kv_dtype, device=dev), torch.zeros(shape, dtype=kv_dtype, device=dev))
             for dev in self.model.layer_devices
@@ -117,6 +124,33 @@ class Context:
 
     def clear(self) -> None:
         self.lengths = [0] * self.n_seq
+
+    # --- one sequence's cache as arrays (slot files) ------------------------------------------------------------
+
+    def seq_state(self, seq: int) -> State:
+        """Sequence `seq`'s cells: its length and, per layer i, `k{i}` / `v{i}` [kv_heads, length, head_dim]."""
+        if self.loaded.shard is not None:
+            raise SpecCliError("a -tp shard's cache lives on every rank: its sequences cannot be saved")
+        n = self.lengths[seq]
+        out = {"length": np.asarray(n)}
+        for i, (k, v) in enumerate(self.kv):
+            out[f"k{i}"], out[f"v{i}"] = array_of(k[seq, :, :n]), array_of(v[seq, :, :n])
+        return out
+
+    def restore_seq(self, seq: int, state: State) -> None:
+        """Sequence `seq`'s cells from `seq_state`'s arrays, all checked before any is written (StateError)."""
+        if self.loaded.shard is not None:
+            raise SpecCliError("a -tp shard's cache lives on every rank: its sequences cannot be restored")
+        n = scalar(state, "length", 0, self.n_ctx_seq - 1)
+        pairs = [(t[seq, :, :n], state.get(f"{name}{i}"), f"{name}{i}")
+                 for i, kv in enumerate(self.kv) for name, t in zip("kv", kv)]
+        for dst, a, what in pairs:
+            if a is None:
+                raise StateError(f"'{what}' is missing")
+            fits(dst, a, what)
+        for dst, a, _ in pairs:
+            copy_into(dst, a)
+        self.lengths[seq] = n
 
     # --- target features on request --------------------------------------------------------------------------
 
@@ -207,16 +241,8 @@ class Context:
             from spec_cli.model.compiled import bucket
 
             G, T = bucket(G), bucket(T)
-        tokens, positions = [0] * (G * T), [0] * (G * T)  # [G, T] flat; padded rows: token 0 at position 0
-        flat_of_row = {}
-        write_rows, write_seq, write_pos = [], [], []
-        for g, seq in enumerate(seqs):
-            for t, i in enumerate(groups[seq]):
-                flat = flat_of_row[i] = g * T + t
-                tokens[flat], positions[flat] = batch.tokens[i], batch.pos[i]
-                write_rows.append(flat)
-                write_seq.append(seq)
-                write_pos.append(batch.pos[i])
+        tokens, positions, flat_of_row, writes = _grid(batch, groups, G, T)
+        write_rows, write_seq, write_pos = writes
         for seq in seqs:
             self.lengths[seq] += len(groups[seq])
         n_kv = max(self.lengths[s] for s in seqs)
@@ -266,3 +292,20 @@ class Context:
             mask_full=causal.unsqueeze(1),
             mask_swa=swa.unsqueeze(1) if swa is not None else None,
         )
+
+
+def _grid(batch: Batch, groups: dict[int, list[int]], G: int, T: int):
+    """The rows of `groups` (sequence -> its batch rows) laid out as [G, T], flat: -> (tokens, positions, the flat
+    index of each batch row, (flat rows, sequences, positions) of the KV writes). Padded cells hold token 0 at
+    position 0."""
+    tokens, positions = [0] * (G * T), [0] * (G * T)
+    flat_of_row: dict[int, int] = {}
+    write_rows, write_seq, write_pos = [], [], []
+    for g, (seq, rows) in enumerate(groups.items()):
+        for t, i in enumerate(rows):
+            flat = flat_of_row[i] = g * T + t
+            tokens[flat], positions[flat] = batch.tokens[i], batch.pos[i]
+            write_rows.append(flat)
+            write_seq.append(seq)
+            write_pos.append(batch.pos[i])
+    return tokens, positions, flat_of_row, (write_rows, write_seq, write_pos)

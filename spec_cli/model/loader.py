@@ -144,13 +144,13 @@ def weight_format(dtype: str, devices: list[torch.device]) -> tuple[bool, torch.
 
 
 def load_model(
-    path: str | Path, device: str | None = default("device"), n_gpu_layers: int = DEFAULT_GPU_LAYERS,
+    path: str | Path | GGUFFile, device: str | None = default("device"), n_gpu_layers: int = DEFAULT_GPU_LAYERS,
     dtype: str = default("dtype"),
 ) -> LoadedModel:
     """Weights per `weight_format`: "auto" keeps CPU-resident layers quantized (3-4x faster than f32 there, llama.cpp
-    parity within tests/test_parity.py's tolerance) and is bf16 on CUDA."""
+    parity within tests/test_parity.py's tolerance) and is bf16 on CUDA. `path` may be the file already opened."""
     t0 = time.perf_counter()
-    gf = GGUFFile(path)
+    gf = path if isinstance(path, GGUFFile) else GGUFFile(path)
     cfg = ModelConfig.from_gguf(gf)
     devices, output_device = layer_devices(cfg.n_layer_main, torch_device(device), n_gpu_layers)
     quantize, torch_dtype = weight_format(dtype, devices + [output_device])

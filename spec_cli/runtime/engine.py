@@ -17,9 +17,11 @@ from spec_cli.model.context import Context
 from spec_cli.model.dflash_file import load_dflash_head
 from spec_cli.model.dflash_head import DFlashContext
 from spec_cli.model.eagle3_file import load_eagle3_head
+from spec_cli.model.gguf_file import GGUFFile
 from spec_cli.model.head_context import HeadContext
 from spec_cli.model.loader import LoadedModel, load_model
 from spec_cli.options import DEFAULT_GPU_LAYERS, default
+from spec_cli.runtime import memory
 from spec_cli.runtime.draft_files import HEAD_FILE_TYPES, WHAT, draft_kind, head_device, load_head, load_mtp, md_type
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.draft_model import check_vocab_compatible
@@ -58,6 +60,7 @@ class Engine:
     mtp_ctx: HeadContext | None = None  # the target's NextN head with its own KV (draft-mtp)
     eagle3_ctx: HeadContext | None = None  # the EAGLE-3 head of -md with its own KV (draft-eagle3)
     dflash_ctx: DFlashContext | None = None  # the DFlash drafter of -md with its own KV (draft-dflash, draft-dspark)
+    draft_file: Path | None = None  # the -md file the drafters read (a draft model, a head file, an MTP model)
     costs: CostModel = field(default_factory=CostModel)  # --draft-max auto: the target's verify cost, calibrated once
 
     @property
@@ -111,23 +114,45 @@ def build_engine(opts: EngineOptions) -> Engine:
     if opts.threads:
         torch.set_num_threads(opts.threads)
     opts = replace(opts, spec=implied_spec(opts))
-    target = load_target(opts)
+    target_file = GGUFFile(resolve(opts.model))
+    draft_file = GGUFFile(resolve(opts.model_draft)) if "draft-simple" in opts.spec.types else None
+    if not sharded(opts):  # a shard's memory is its rank's
+        memory.check_fits(memory.estimate(opts, target_file, draft_file, head_file(opts, target_file)), opts)
+    target = load_target(opts, target_file)
     tokenizer = Tokenizer.from_metadata(target.gguf.metadata)
     draft = None
-    if "draft-simple" in opts.spec.types:
-        draft = load_model(resolve(opts.model_draft), opts.device_draft or opts.device, opts.n_gpu_layers_draft,
-                           opts.dtype)
+    if draft_file is not None:
+        draft = load_model(draft_file, opts.device_draft or opts.device, opts.n_gpu_layers_draft, opts.dtype)
         check_vocab_compatible(tokenizer, Tokenizer.from_metadata(draft.gguf.metadata))
     return assemble_engine(opts, target, tokenizer, draft)
 
 
-def load_target(opts: EngineOptions) -> LoadedModel:
-    """The target whole, or with -tp N (or under torchrun) rank 0's shard, its followers loading theirs."""
+def head_file(opts: EngineOptions, target_file: GGUFFile) -> tuple[str, GGUFFile] | None:
+    """The head the spec types load and the file it comes from: draft-mtp's NextN layers (-md's model file, else the
+    target's), the -md head file of draft-eagle3, draft-dflash or draft-dspark."""
+    md = resolve(opts.model_draft) if opts.model_draft else None
+    kind = next((k for k in HEAD_FILE_TYPES if k in opts.spec.types), None)
+    if kind is not None and md is not None:
+        return kind, GGUFFile(md)
+    if "draft-mtp" in opts.spec.types:
+        return "draft-mtp", GGUFFile(md) if md and draft_kind(md) == "draft-mtp" else target_file
+    return None
+
+
+def sharded(opts: EngineOptions) -> bool:
+    """-tp N (or torchrun): the target is split over ranks."""
     from spec_cli.model.parallel import comm as tp_comm
+
+    return tp_comm.world_size(opts.tensor_parallel) > 1
+
+
+def load_target(opts: EngineOptions, target_file: GGUFFile | None = None) -> LoadedModel:
+    """The target (from `target_file` where it is open already) whole, or with -tp N (or under torchrun) rank 0's
+    shard, its followers loading theirs."""
     from spec_cli.model.parallel import tensor_parallel
 
-    if tp_comm.world_size(opts.tensor_parallel) == 1:
-        return load_model(resolve(opts.model), opts.device, opts.n_gpu_layers, opts.dtype)
+    if not sharded(opts):
+        return load_model(target_file or resolve(opts.model), opts.device, opts.n_gpu_layers, opts.dtype)
     if opts.n_gpu_layers != DEFAULT_GPU_LAYERS:
         raise UsageError("-tp puts every block on its rank's device: -ngl cannot be combined with it")
     for kind in ("draft-mtp", *HEAD_FILE_TYPES):
@@ -163,7 +188,7 @@ def assemble_engine(opts: EngineOptions, target: LoadedModel, tokenizer: Tokeniz
     eagle3_ctx = (HeadContext(heads["draft-eagle3"], n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
                   if "draft-eagle3" in heads else None)
     dflash_ctx = DFlashContext(block_head, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch) if block_head else None
-    return Engine(target, tokenizer, ctx, draft, draft_ctx, mtp_ctx, eagle3_ctx, dflash_ctx,
+    return Engine(target, tokenizer, ctx, draft, draft_ctx, mtp_ctx, eagle3_ctx, dflash_ctx, md,
                   CostModel(verify_cost_cache()))
 
 

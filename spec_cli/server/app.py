@@ -1,9 +1,10 @@
 """The FastAPI app of `spec-cli server`: routes.py's handlers mounted around one Scheduler (the engine thread).
 
 OpenAI-compatible `/v1/models`, `/v1/completions`, `/v1/chat/completions` (SSE ending in `data: [DONE]`),
-llama.cpp-native `/completion`, `/tokenize`, `/detokenize`, `/health`, `/slots` (with --slots) and `/metrics` (with
---metrics). A request passes guard.py's checks first (Host, API key, framing, JSON content type, body size). Every
-error, including malformed JSON and failed validation, is a JSON body in OpenAI's shape.
+llama.cpp-native `/completion`, `/tokenize`, `/detokenize`, `/health`, `/props`, `/slots` (with --slots),
+`/slots/{id}?action=save|restore|erase` (with --slot-save-path) and `/metrics` (with --metrics). A request passes
+guard.py's checks first (Host, API key, framing, JSON content type, body size). Every error, including malformed JSON
+and failed validation, is a JSON body in OpenAI's shape.
 """
 
 from __future__ import annotations

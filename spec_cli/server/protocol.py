@@ -258,6 +258,13 @@ class DetokenizeRequest(Strict):
     tokens: list[int]
 
 
+class SlotFileRequest(Strict):
+    """POST /slots/{id}?action=save|restore (llama-server's; other fields are ignored, as there)."""
+
+    model_config = ConfigDict(extra="ignore")
+    filename: str = Field(max_length=255)
+
+
 def check_tokens(tokens: list[int], n_vocab: int, param: str) -> list[int]:
     bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
     if bad is not None:

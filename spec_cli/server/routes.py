@@ -19,9 +19,12 @@ from fastapi import Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from spec_cli.errors import SpecCliError
+from spec_cli.runtime.memory import measured
 from spec_cli.server import protocol as P
+from spec_cli.server.props import props
 from spec_cli.server.scheduler import Scheduler
 from spec_cli.server.settings import ServerSettings
+from spec_cli.server.slot_actions import slot_action
 from spec_cli.server.task import Completion, Delta, Failure, Job, Task
 
 # (HTTP method, paths, Routes method)
@@ -34,6 +37,8 @@ ROUTES = (
     ("POST", ("/tokenize",), "tokenize"),
     ("POST", ("/detokenize",), "detokenize"),
     ("GET", ("/slots",), "slots"),
+    ("POST", ("/slots/{id_slot}",), "slot_action"),
+    ("GET", ("/props",), "props"),
     ("GET", ("/metrics",), "metrics"),
 )
 
@@ -51,6 +56,7 @@ class Routes:
         self.loaded = session.types  # the spec types a request may choose among
         self.model_id = settings.alias or self.engine.target.gguf.path.name
         self.tok.min_tokens("")  # the vocabulary's bound is computed now, not in the first request
+        self.memory = measured(self.engine, session.chain.drafters if session.chain is not None else ())
 
     # --- routes -----------------------------------------------------------------------------------------------
 
@@ -131,6 +137,14 @@ class Routes:
             raise P.ApiError(501, "the /slots endpoint is disabled: start the server with --slots",
                              "not_supported_error")
         return self.scheduler.slots_info()
+
+    async def slot_action(self, id_slot: str, request: Request):
+        """llama-server's /slots/{id}?action=save|restore|erase (slot_actions.py)."""
+        return await slot_action(self.scheduler, self.settings.slot_save_path, id_slot,
+                                 request.query_params.get("action"), await request.body())
+
+    async def props(self):
+        return props(self.scheduler, self.settings, self.model_id, self.memory)
 
     async def metrics(self):
         if not self.settings.metrics:

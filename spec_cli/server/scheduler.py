@@ -13,6 +13,8 @@ across them). The loop, between generation steps:
   3. runs ONE `gen.step()` for every active slot: one batched draft call and one target decode for all of them;
   4. detokenizes each slot's new tokens, applies stop strings, and hands the text to the request's event loop
      with `call_soon_threadsafe`. A disconnected client's task is dropped before the next step.
+Work on the engine that is not a generation (a slot file saved or restored, a slot erased: slot_actions.py) is
+`call`ed: it runs on this thread before the admissions of a round, between two steps.
 Per-slot drafter state is reset by `chain.begin` inside `gen.start`; the ngram-mod pool stays shared.
 """
 
@@ -25,13 +27,19 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from spec_cli.errors import SpecCliError
 from spec_cli.model.compiled import clock, run_seconds
 from spec_cli.runtime.generate import Emitted, Sequence
 from spec_cli.runtime.session import Session
-from spec_cli.server.task import Completion, Delta, Failure, Job, Task
+from spec_cli.server.task import Completion, Delta, Failure, Job, Task, settle
+
+
+def _shutting_down() -> None:
+    raise SpecCliError("server is shutting down")
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -50,6 +58,8 @@ class Slot:
     cached: list[int] = field(default_factory=list)  # tokens in this sequence's KV cache when idle
     t_last: float = 0.0  # when it last finished a task (least recently used goes first)
     last: Task | None = None  # the latest task, shown by /slots
+    n_drafted: int = 0  # draft tokens verified for this slot's requests (/props)
+    n_accepted: int = 0
 
 
 @dataclass
@@ -75,6 +85,7 @@ class Scheduler:
         self.slots = [Slot(i) for i in range(self.engine.ctx.n_seq)]
         self.counters = Counters()
         self._pending: deque[Task] = deque()
+        self._calls: deque[tuple[Callable[[], Any], asyncio.Future]] = deque()
         self._cond = threading.Condition()
         self._closed = False  # no new jobs (shutting down)
         self._stopping = False
@@ -130,6 +141,17 @@ class Scheduler:
             self._cond.notify()
         return task
 
+    def call(self, fn: Callable[[], Any]) -> asyncio.Future:
+        """Run fn() on the engine thread between two steps; the future (of the calling event loop) gets what it
+        returns or raises."""
+        future = asyncio.get_running_loop().create_future()
+        with self._cond:
+            if self._closed:
+                raise SpecCliError("server is shutting down")
+            self._calls.append((fn, future))
+            self._cond.notify()
+        return future
+
     def cancel(self, task: Task) -> None:
         """The client is gone: drop a queued task now, an active one before the next step. Idempotent."""
         with self._cond:
@@ -143,10 +165,14 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not self._pending and not self.n_processing:
+                while not self._stopping and not self._pending and not self.n_processing and not self._calls:
                     self._cond.wait()
                 if self._stopping:
                     break
+                calls, self._calls = self._calls, deque()
+            for fn, future in calls:
+                settle(future, fn)
+            with self._cond:
                 admitted = self._admit()
             self._drop_cancelled()
             for task in admitted:
@@ -154,6 +180,8 @@ class Scheduler:
             if self.gen.active:
                 self._guarded(self._step)
         self._fail_all(Failure("server is shutting down", 503, "unavailable_error"))
+        for _, future in self._calls:
+            settle(future, _shutting_down)
 
     def _admit(self) -> list[Task]:
         """Move queued tasks into free slots, oldest first (call with the lock held)."""
@@ -267,6 +295,9 @@ class Scheduler:
         c.predicted_tokens += n_predicted
         c.predicted_ms += t_gen_ms
         c.n_tokens_max = max(c.n_tokens_max, seq.n_past + 1)
+        slot = self._slot_of(task)
+        slot.n_drafted += seq.n_drafted
+        slot.n_accepted += seq.n_accepted
         return n_predicted, t_gen_ms
 
     def _drop_cancelled(self) -> None:

@@ -4,6 +4,7 @@ protocol read."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from spec_cli.model.sampling import SamplingParams
 from spec_cli.options import default
@@ -21,3 +22,4 @@ class ServerSettings:
     allowed_hosts: list[str] = field(default_factory=list)  # Host names besides IP addresses and localhost
     max_body: int | None = None  # bytes a request body may have (None = no limit)
     read_timeout: float | None = None  # seconds a request's headers and body may take to arrive (None = no limit)
+    slot_save_path: Path | None = None  # the directory of slot files (None: no slot actions)

@@ -162,3 +162,24 @@ class Task:
 
     async def next_event(self):
         return await self.events.get()
+
+
+def settle(future: asyncio.Future, fn) -> None:
+    """Run fn() here (the engine thread) and settle an event loop's future with its result or exception."""
+    try:
+        result, error = fn(), None
+    except Exception as e:  # noqa: BLE001 - whatever it raised is the caller's answer
+        result, error = None, e
+
+    def set_it() -> None:
+        if future.done():  # the caller went away
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    try:
+        future.get_loop().call_soon_threadsafe(set_it)
+    except RuntimeError:  # the event loop is gone (server shutting down)
+        pass

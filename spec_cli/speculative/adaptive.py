@@ -17,7 +17,20 @@ out as [G, T]) and c_s the seconds per token of the drafter that drafted sequenc
 draft-simple and draft-mtp, ~0 for the n-gram drafters). The planner maximizes  sum_s E_s(k_s) / time  twice per
 step: before drafting, to cap what each drafter may draft (drafting time still to be spent counts); after drafting,
 to choose how much of each draft to verify, where the drafting time is already spent: a fixed term of the
-denominator, so a draft that was paid for is not thrown away for nothing.
+denominator, so a draft that was paid for is not thrown away for nothing. Maximizing a step's own rate is right
+where the tokens a cut leaves are drafted again at the next step (an n-gram drafter's copied block goes on, a draft
+model drafts on): they cost a step then, not nothing.
+
+What the estimates see. Position i is tried only when a draft of at least i tokens was verified and its first
+i - 1 were accepted, so the plan decides what it learns: a position it stops verifying (one rejection there, or a
+prior borrowed from a weaker position before it) would keep its estimate for good, and the plan short. Under match
+verification (greedy, and every n-gram draft) a draft token is accepted exactly when it equals the token the
+target commits at its position, so the step loop also scores what was not verified against the committed tokens
+(runtime/generate.py): the first token a cut removed from a draft whose verified tokens were all accepted (against
+the target's own next token), and the drafts of n-gram drafters planned at 0, asked apart (`Planner.shadowing`).
+An n-gram drafter's asking costs nothing (Drafter.cheap), so its cap is either 0 or the whole draft, cut after
+drafting: pricing its lookup per drafted token, on every ask, capped ngram-mod at a few tokens where its copied
+blocks were accepted whole (issue 46: 0.87x of --draft-max 16 on code edits).
 """
 
 from __future__ import annotations
@@ -41,13 +54,13 @@ PRIOR_WEIGHT = 1.0  # the prior of a_1 counts as one observation, forgotten like
 # and a code edit of qwen2.5-coder-1.5b). Replayed over the built-in prompt sets' greedy outputs (1.5b and 0.5b) with
 # the measured cost curve: worst prompt 0.937x -> 0.989x of plain, code-edit within +-2 % (ngram-cache +5-9 %).
 DEPTH_PRIOR_WEIGHT = 4.0
-# Exploration: a drafter planned at 0 tokens gets a 1-token probe (its estimate only changes when it drafts), the
-# gap to the next probe doubling from its shortest gap up to PROBE_GAP_MAX steps, starting over when the drafter is
-# worth asking again. The shortest gap is PROBE_GAP_MIN steps, or longer for a dear probe: a probe's whole price
+# Exploration: a model drafter planned at 0 tokens gets a 1-token probe (its estimate only changes when it drafts),
+# the gap to the next probe doubling from its shortest gap up to PROBE_GAP_MAX steps, starting over when the drafter
+# is worth asking again. The shortest gap is PROBE_GAP_MIN steps, or longer for a dear probe: a probe's whole price
 # (the catch-up of an idle draft cache, its token, the extra verify row) is held to PROBE_BUDGET of the time of the
-# steps between probes. So a useless n-gram drafter costs one 2-row verify per 256 steps in the long run, a useless
-# draft model a few percent at most, and one that starts to fit the text (a copied block begins) is found again.
-# An n-gram drafter (free to ask) keeps a due probe until the first step it has a draft.
+# steps between probes. So a useless draft model costs a few percent at most, and one that starts to fit the text is
+# found again. An n-gram drafter (free to ask) is shadowed instead (Planner._free_cap): its drafts are scored against
+# the committed tokens, never verified, its asking held to PROBE_BUDGET.
 PROBE_GAP_MIN = 16
 # A model drafter's first probe comes this many steps into a request, while its cache still holds the prompt it
 # mirrored at prompt time (draft_model.IDLE_STEPS): one draft token and one verify row. Waiting for the gap its
@@ -159,6 +172,7 @@ class Planner:
         self.next_probe: dict[str, int] = {}
         self.probe_gap: dict[str, int] = {}
         self.probing: set[str] = set()  # drafters granted a probe this step
+        self.shadowing: set[str] = set()  # free drafters to ask this step only to score their drafts
         # drafters planned at 0: asked again only when a probe's outcome says so (a draft model idle for a while
         # restarts its cache from a window, a price the estimate that tips it back over 0 does not see)
         self.dropped: set[str] = set()
@@ -176,18 +190,18 @@ class Planner:
     def drafting_caps(self, names: list[str], n_seq: int, free: frozenset[str] = frozenset()) -> dict[str, int]:
         """Per drafter, the most tokens worth drafting this step: the best length if all n_seq sequences drafted
         with it (an upper estimate of what `plan` will keep), or 1 when its probe is due; 0 = do not ask it.
-        A `free` drafter's (an n-gram lookup: asking costs nothing) due probe is asked for step after step and
-        spent only on a step where it has a draft (`plan`): a probe that finds nothing teaches nothing, and waiting
-        a doubled gap after it missed the start of copied blocks (on a machine where a 2-row verify costs 1.5
-        decodes, ngram-mod decoded a third of a code edit plainly). Between probes it is not asked: in a chain its
-        draft would take the step from the drafters after it."""
+        A `free` drafter (an n-gram lookup: asking costs nothing) is capped by `_free_cap` instead."""
         self.step += 1
         self.free = free
         probed = self.probes_granted
         self.probing.clear()
+        self.shadowing = set()
         caps = {}
         for name in names:
-            if name not in free and name not in self.next_probe:
+            if name in free:
+                caps[name] = self._free_cap(name, n_seq)
+                continue
+            if name not in self.next_probe:
                 self.next_probe[name] = self.step + FIRST_PROBE_AFTER
                 self.unasked.add(name)
             k = self._uniform_length(name, n_seq)
@@ -198,14 +212,30 @@ class Planner:
                 self._schedule_probe(name, self._probe_gap_min(name))
             else:
                 self.dropped.add(name)
-                if self.step >= self.next_probe.get(name, 0):
+                if self.step >= self.next_probe[name]:
                     self.probing.add(name)
-                    if name not in free:  # a model drafter's probe is paid for by the asking
-                        self._spend_probe(name)
+                    self._spend_probe(name)  # paid for by the asking
                 k = 1 if name in self.probing else 0
             caps[name] = k
         self.probes_granted = set(self.probing)
         return caps
+
+    def _free_cap(self, name: str, n_seq: int) -> int:
+        """A free drafter's cap: n_max where its drafts pay for their verify rows (a draft costs the same at any
+        length; `plan` cuts it, seeing it), else 0, and when due it is shadowed (`shadowing`): asked apart, its
+        draft scored against the tokens the step commits (`observe_shadow`), never verified. A shadow stays due
+        step after step until the drafter has a draft to score (one that finds nothing teaches nothing), then
+        comes back at the gap that holds its asking within PROBE_BUDGET (every step or two for an n-gram lookup).
+        Between shadows it is not asked: in a chain its draft would take the step from the drafters after it.
+        Verified 1-token probes at doubling gaps were this evidence before: a drafter wrong on its first drafts of
+        a request (ngram-cache's cold cache on chat) came back only after ~100 steps, or missed a copied block
+        that began between probes."""
+        if self._uniform_length(name, n_seq) > 0:
+            self.next_probe[name] = self.step + 1  # should it fall to 0, its first shadow is due at once
+            return self.n_max
+        if self.step >= self.next_probe.get(name, 0):
+            self.shadowing.add(name)
+        return 0
 
     def plan(self, drafts: list[tuple[str | None, int]], drafting_s: float) -> list[int]:
         """Per sequence of the step (winning drafter or None, draft length): the tokens to verify, each <= its
@@ -239,14 +269,22 @@ class Planner:
     def _uniform_length(self, name: str, n_seq: int) -> int:
         """argmax_k of the tokens per second if every sequence asked `name` for k tokens: with y the fraction of
         asks that give a draft at all (a draft model stops below --draft-p-min and then gives none, but its seed
-        row was paid for), (1 + y (E(k) - 1)) / ((y cost(n_seq (1 + k)) + (1 - y) cost(n_seq)) / n_seq + k c);
-        0 unless that beats plain decoding (by ASK_MARGIN for a drafter that is not free)."""
-        gains, per_token, y = self.acceptance.gains(name), self._draft_cost(name), self.yields.get(name, 1.0)
+        row was paid for), (1 + y (E(k) - 1)) / ((y cost(n_seq (1 + k)) + (1 - y) cost(n_seq)) / n_seq + ask(k));
+        0 unless that beats plain decoding (by ASK_MARGIN for a drafter that is not free). ask(k), the drafting
+        time per sequence, is k c for a model drafter (c: its seconds per drafted token), c / n_seq for a per-call
+        (block) drafter (c: its seconds per call, shared by the step's sequences) and 0 for a free one, as its
+        `cheap` flag promises; y then cancels: a free drafter is worth asking exactly where its draft pays for
+        its verify rows, E(k) / cost(1 + k) > 1 / cost(1), however seldom it drafts. Its lookups take 0.02-0.2 ms
+        against a 0.5b forward's 14.5, but priced per token, their EMA (one call preempted for 7-30 ms on a busy
+        machine included) counted k times on every ask against a gain that comes with 1 ask in y: ngram-mod,
+        drafting on 7 % of code-edit steps, was capped at a few tokens or dropped."""
+        gains, y = self.acceptance.gains(name), self.yields.get(name, 1.0)
+        free = name in self.free
         plain = self.costs(n_seq)
-        best_k, best = 0, (1.0 if name in self.free else 1.0 + ASK_MARGIN) / (plain / n_seq)
+        best_k, best = 0, (1.0 if free else 1.0 + ASK_MARGIN) / (plain / n_seq)
         for k in range(1, self.n_max + 1):
             verify = y * self.costs(n_seq * (1 + k)) + (1 - y) * plain
-            asking = per_token / n_seq if name in self.per_call else k * per_token
+            asking = 0.0 if free else self._draft_cost(name) * (1 / n_seq if name in self.per_call else k)
             rate = (1 + y * (expected_tokens(gains, k) - 1)) / (verify / n_seq + asking)
             if rate > best:
                 best_k, best = k, rate
@@ -258,8 +296,6 @@ class Planner:
             if name in self.probing and lengths[s] == 0 and n > 0:
                 lengths[s] = 1
                 self.probing.discard(name)
-                if name in self.free:
-                    self._spend_probe(name)
         return lengths
 
     def _spend_probe(self, name: str) -> None:
@@ -274,8 +310,7 @@ class Planner:
 
     def _probe_gap_min(self, name: str) -> int:
         """The fewest steps between probes that keep a probe's price within PROBE_BUDGET of the steps' time, at
-        least PROBE_GAP_MIN: a draft model's probe (with the catch-up of its idle cache) costs forwards, an n-gram
-        drafter's next to nothing."""
+        least PROBE_GAP_MIN: a draft model's probe (with the catch-up of its idle cache) costs forwards."""
         if not self.costs.calibrated:
             return PROBE_GAP_MIN
         catch_up = self.probe_catch_up.get(name, self.mirroring_price.get(name, 0.0))
@@ -318,6 +353,16 @@ class Planner:
 
     def observe_accept(self, name: str, n_drafted: int, n_accepted: int) -> None:
         self.acceptance.observe(name, n_drafted, n_accepted)
+
+    def observe_shadow(self, name: str, n_scored: int, n_matched: int) -> None:
+        """A shadowed drafter's draft, scored against the tokens the step committed: its first n_matched tokens
+        equal them, out of n_scored compared (the draft or the committed tokens, whichever is shorter). Its next
+        shadow comes when its asking has cost no more than PROBE_BUDGET of the steps between."""
+        self.acceptance.observe(name, n_scored, n_matched)
+        cost = self.draft_costs.get(name)
+        asking = cost.seconds if cost else 0.0
+        gap = math.ceil(asking / (PROBE_BUDGET * self.costs(1))) if self.costs.calibrated else PROBE_GAP_MIN
+        self.next_probe[name] = self.step + min(max(gap, 1), PROBE_GAP_MAX)
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """The verify side of a step whose target forward computed `rows` rows took `seconds`."""

@@ -12,7 +12,17 @@ Lifecycle per sequence, as in llama.cpp's common/speculative.h:
                             brings a lagging cache up to date (the adaptive planner prices drafted tokens by draft())
   min_length(p)             optional: the shortest draft worth verifying; a draft the chain cuts shorter is dropped
   target_layers()           optional: the target layers whose inputs `process` reads (Context.features_of)
-`Drafter` declares every hook, the optional ones as no-ops; a drafter type is made known to `--spec-type` by
+Slot files (the server's /slots/{id}?action=save|restore|erase, runtime/slot_file.py):
+  save_state(seq)           what the drafter holds for sequence seq (and the shared state drafting it depends on) as
+                            named numpy arrays, so that restore_state in a fresh process continues exactly as this one
+  restore_state(seq, state, n_vocab)  puts it back (StateError for a state that does not fit: token ids must lie
+                            within the target's n_vocab); after a StateError the caller forgets the sequence, so
+                            a state found wrong half way is never used
+  forget(seq)               drops what it holds for seq (the slot was erased: its target cache is empty)
+  slot_info(seq)            a few counts for /props' per-slot state
+`Drafter` declares every hook, the optional ones as no-ops; save_state / restore_state refuse (StateUnsupported) in a
+drafter that does not implement them: a slot file without its state would continue differently, and silently (a
+stateless drafter returns {} and ignores what it is given). A drafter type is made known to `--spec-type` by
 `speculative.registry.register_drafter`. Drafters keep no statistics: the chain wraps every call with counters and
 timers.
 """
@@ -22,10 +32,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
+from spec_cli.errors import SpecCliError
 from spec_cli.model.batch import Batch
+from spec_cli.model.state_arrays import State, ints, scalar, token_ids
 from spec_cli.options import DRAFT_MAX, default
+
+
+class StateUnsupported(SpecCliError):
+    """A drafter that cannot save or restore its per-sequence state (a plugin's, without save_state)."""
+
+    def __init__(self, name: str):
+        super().__init__(f"drafter '{name}' does not implement save_state / restore_state (speculative/base.py "
+                         "Drafter), so a slot restored from a file could not continue as it would have; a stateless "
+                         "drafter returns {} from save_state and ignores what restore_state is given")
 
 
 @dataclass
@@ -119,6 +141,18 @@ class Drafter:
     def accept(self, seq: int, n_accepted: int, is_other: bool) -> None:
         pass
 
+    def save_state(self, seq: int) -> State:
+        raise StateUnsupported(self.name)
+
+    def restore_state(self, seq: int, state: State, n_vocab: int) -> None:
+        raise StateUnsupported(self.name)
+
+    def forget(self, seq: int) -> None:
+        pass
+
+    def slot_info(self, seq: int) -> dict:
+        return {}
+
 
 class HistoryDrafter(Drafter):
     """Base of the drafters that draft each sequence on its own from its token history (the n-gram family):
@@ -162,3 +196,15 @@ class TargetCache:
             self.settled[seq] = flagged + 1
             starts[seq] = p0
         return starts
+
+    def save_state(self, seq: int) -> State:
+        return {"tokens": ints(self.tokens[seq]), "batch_pos0": np.asarray(self.batch_pos0[seq]),
+                "settled": np.asarray(self.settled[seq])}
+
+    def restore_state(self, seq: int, state: State, n_vocab: int) -> None:
+        known = token_ids(state, "tokens", n_vocab).tolist()
+        pos0, settled = scalar(state, "batch_pos0"), scalar(state, "settled")
+        self.tokens[seq], self.batch_pos0[seq], self.settled[seq] = known, pos0, settled
+
+    def forget(self, seq: int) -> None:
+        self.tokens[seq], self.batch_pos0[seq], self.settled[seq] = [], 0, 0

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 from spec_cli.model.batch import Batch
+from spec_cli.model.state_arrays import State, prefixed, within
 from spec_cli.speculative.adaptive import AcceptanceModel, Planner, expected_tokens
 from spec_cli.speculative.base import Drafter, DraftParams
 from spec_cli.speculative.stats import DrafterStats
@@ -32,6 +33,8 @@ class Chain:
         if planner is not None:
             planner.per_call = frozenset(d.name for d in drafters if d.per_call)
         self.select = select
+        # per sequence, this step's drafts of drafters asked only to be scored (`draft`'s `shadow`), never verified
+        self.shadows: dict[int, list[tuple[str, list[int]]]] = {}
         # what `gain` ranks proposals by: the planner's acceptance, else the chain's own (fed by accept())
         self.acceptance = planner.acceptance if planner is not None else AcceptanceModel()
 
@@ -64,20 +67,27 @@ class Chain:
                 self.planner.observe_mirroring(d.name, time.perf_counter() - t0)
 
     def draft(self, params: list[DraftParams], enabled: dict[int, set[str]] | None = None,
-              caps: dict[str, int] | None = None) -> dict[str, float]:
+              caps: dict[str, int] | None = None, shadow: frozenset[str] = frozenset()) -> dict[str, float]:
         """Fill `result` of every drafting sequence by the chain's selection mode (module docstring).
         `enabled` optionally restricts, per sequence, which drafter names may draft (per-request types); `caps`
         optionally limits, per drafter name, the tokens it may draft this step (0: it is not asked), so a drafter
-        does not produce (and pay for) tokens the adaptive planner would not verify. Returns the seconds spent in
-        each drafter that was asked, drafting: a drafter's optional `catch_up(params)` (bringing a lagging cache up
-        to date) runs first and is left out."""
+        does not produce (and pay for) tokens the adaptive planner would not verify. A drafter in `shadow` (cheap,
+        capped at 0) is asked apart from the others, its drafts kept in `shadows` to be scored against what the
+        step commits, never verified. Returns the seconds spent in each drafter that was asked, drafting: a
+        drafter's optional `catch_up(params)` (bringing a lagging cache up to date) runs first and is left out."""
         for p in params:
             self.last[p.seq] = None
+        self.shadows = {}
         spent: dict[str, float] = {}
         proposals: dict[int, list[tuple[Drafter, DraftParams]]] = {}  # gain: per sequence, every n-gram proposal
         for d in self.drafters:
             cap = caps.get(d.name) if caps is not None else None
-            asking = [p for p in params if p.drafting and (enabled is None or d.name in enabled.get(p.seq, ()))]
+            allowed = [p for p in params if enabled is None or d.name in enabled.get(p.seq, ())]
+            if d.name in shadow and d.cheap:
+                if allowed:
+                    spent[d.name] = self._shadow(d, allowed)
+                continue
+            asking = [p for p in allowed if p.drafting]
             if not asking or cap == 0:
                 continue
             if self.select == "gain" and d.cheap:
@@ -99,6 +109,15 @@ class Chain:
                     self._settle(d, p)
         self._choose(params, proposals)
         return spent
+
+    def _shadow(self, d: Drafter, params: list[DraftParams]) -> float:
+        """Ask cheap drafter d for drafts that no sequence verifies; returns its drafting seconds."""
+        own = [replace(p, result=[], probs=None, drafting=True) for p in params]
+        seconds = self._ask(d, own, None)
+        for p, mine in zip(params, own):
+            if mine.result:
+                self.shadows.setdefault(p.seq, []).append((d.name, mine.result))
+        return seconds
 
     def _ask(self, d: Drafter, asking: list[DraftParams], cap: int | None) -> float:
         """One draft call of d for `asking` (each p.n_max lowered to cap); returns its drafting seconds."""
@@ -180,6 +199,24 @@ class Chain:
         if winner is not None and self.planner is None:  # with a planner, the step loop tells it (observe_accept)
             self.acceptance.observe(winner.name, n_drafted, n_accepted)
         self.last[seq] = None
+
+    # --- slot files: every drafter's state of one sequence, under its name ----------------------------------------
+
+    def save_state(self, seq: int) -> State:
+        return {k: v for d in self.drafters for k, v in prefixed(f"{d.name}/", d.save_state(seq)).items()}
+
+    def restore_state(self, seq: int, state: State, n_vocab: int) -> None:
+        for d in self.drafters:
+            d.restore_state(seq, within(state, f"{d.name}/"), n_vocab)
+        self.last[seq] = None
+
+    def forget(self, seq: int) -> None:
+        for d in self.drafters:
+            d.forget(seq)
+        self.last[seq] = None
+
+    def slot_info(self, seq: int) -> dict[str, dict]:
+        return {d.name: d.slot_info(seq) for d in self.drafters}
 
 
 @contextmanager

@@ -15,16 +15,21 @@ the draft vocabulary only (`--draft-vocab`, speculative/draft_vocab.py): the com
 cache was given.
 When verification is by rejection (`DraftParams.sampling` set), the draft instead samples each token from its own
 distribution under the target's sampler settings and returns those distributions (q) for exact rejection sampling.
+A slot file holds a sequence's draft cache (KV and tokens), its mirror of the target cache, its window offset and idle
+count, and the tokens the draft vocabulary was shown (shared by the sequences); the sampling generator is not kept
+(each request starts its own, at `begin`).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from spec_cli.errors import SpecCliError
+from spec_cli.errors import SpecCliError, StateError
 from spec_cli.model.batch import Batch
 from spec_cli.model.context import Context
 from spec_cli.model.sampling import draft_generator, sample_restricted
+from spec_cli.model.state_arrays import State, counters, ints, prefixed, scalar, token_ids, within
 from spec_cli.speculative.base import Drafter, DraftParams, SpecParams, TargetCache
 from spec_cli.speculative.draft_vocab import DraftVocab
 
@@ -178,6 +183,37 @@ class DraftModelDrafter(Drafter):
 
     def min_length(self, p: DraftParams) -> int:
         return p.min_length(self.params)
+
+    def save_state(self, seq: int) -> State:
+        return {**prefixed("kv/", self.ctx.seq_state(seq)), "cached": ints(self._synced(seq)),
+                **prefixed("target/", self.target_cache.save_state(seq)),
+                "counters": np.asarray([self.offset[seq], self.idle[seq]]),
+                "vocab_seen": ints(self.vocab.seen() if self.vocab is not None else [])}
+
+    def restore_state(self, seq: int, state: State, n_vocab: int) -> None:
+        cached = token_ids(state, "cached", self.ctx.config.n_vocab).tolist()
+        seen = token_ids(state, "vocab_seen", self.ctx.config.n_vocab).tolist()
+        offset, idle = counters(state, "counters", 2)
+        kv = within(state, "kv/")
+        if scalar(kv, "length") != len(cached):
+            raise StateError(f"'cached' holds {len(cached)} tokens, the draft cache {int(kv['length'])}")
+        self.target_cache.restore_state(seq, within(state, "target/"), n_vocab)
+        if offset > len(self.target_cache.tokens[seq]):
+            raise StateError(f"the draft window starts at {offset}, past the {len(self.target_cache.tokens[seq])} "
+                             "target positions")
+        self.ctx.restore_seq(seq, kv)
+        self.cached[seq], self.offset[seq], self.idle[seq], self.rng[seq] = cached, offset, idle, None
+        if self.vocab is not None:
+            self.vocab.see(seen)
+
+    def forget(self, seq: int) -> None:
+        self._trim(seq, 0)
+        self.target_cache.forget(seq)
+        self.offset[seq] = self.idle[seq] = 0
+        self.rng[seq] = None
+
+    def slot_info(self, seq: int) -> dict:
+        return {"n_kv": self.ctx.lengths[seq]}
 
     def _synced(self, seq: int) -> list[int]:
         """Cached tokens of a sequence, cut to what the draft context still holds (it may have been cleared)."""

@@ -42,6 +42,7 @@ class DraftVocab:
             by_n[n_common] = self._rows(common_tokens(loaded.gguf.metadata, n_common))
         self._fixed, self._fixed_ids = by_n[n_common]
         self.known = set(self._fixed_ids.tolist())  # the ids plus those waiting for the next logits
+        self._common = frozenset(self.known)
         self._pending: list[int] = []
         self._seen: nn.Module | None = None
         self.ids = self._fixed_ids
@@ -57,6 +58,14 @@ class DraftVocab:
         if new:
             self.known |= new
             self._pending.extend(sorted(new))
+
+    def layers(self) -> list[nn.Module]:
+        """The output layers of its rows (what it holds in memory beside the model)."""
+        return [layer for layer in (self._fixed, self._seen) if layer is not None]
+
+    def seen(self) -> list[int]:
+        """The tokens `see` added to the common ones (what a slot file keeps: they are shared by every sequence)."""
+        return sorted(self.known - self._common)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, D] (pre-norm) -> logits [n, len(ids)] float32, column i for token ids[i]."""

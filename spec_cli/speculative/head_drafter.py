@@ -37,17 +37,34 @@ batched head decode per draft position, each new row (token, the head's own pre-
 Top-1 of a top-k 10 softmax, stop below p_min or at the length cap; where verification is by rejection
 (`DraftParams.sampling`) and the head `samples`, each token is drawn from the head's distribution under the target's
 sampler settings instead, and those distributions (q, over the draft vocabulary mapped to target ids) are returned.
+
+A slot file holds a sequence's head KV, the feed rows of its committed positions (the target's features: a restored
+slot's prompt is never decoded again, so they exist nowhere else), the mirror of the target cache, offset, n_done,
+the idle count and the last draft's rows; the sampling generator is not kept (each request starts its own).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from spec_cli.errors import SpecCliError
+from spec_cli.errors import SpecCliError, StateError
 from spec_cli.model.batch import Batch
 from spec_cli.model.context import Context
 from spec_cli.model.head_context import HeadContext
 from spec_cli.model.sampling import draft_generator, sample_restricted
+from spec_cli.model.state_arrays import (
+    State,
+    array_of,
+    copy_into,
+    counters,
+    entry,
+    fits,
+    ints,
+    prefixed,
+    scalar,
+    within,
+)
 from spec_cli.speculative.base import Drafter, DraftParams, SpecParams, TargetCache
 from spec_cli.speculative.draft_model import DRAFT_TOP_K, IDLE_STEPS, RESTART_WINDOW
 
@@ -266,6 +283,49 @@ class HeadDrafter(Drafter):
 
     def min_length(self, p: DraftParams) -> int:
         return p.min_length(self.params)
+
+    # --- slot files ---------------------------------------------------------------------------------------------
+
+    def save_state(self, seq: int) -> State:
+        pos0, drafted = self.rows.get(seq, (0, None))
+        n_feed = self._n_feed(len(self.target_cache.tokens[seq]), self.offset[seq])
+        return {**prefixed("kv/", self.ctx.seq_state(seq)), "feed": array_of(self.ctx.feed[seq, :n_feed]),
+                **prefixed("target/", self.target_cache.save_state(seq)),
+                "counters": np.asarray([self.offset[seq], self.n_done[seq], self.idle[seq], int(seq in self.lost)]),
+                "rows": ints([] if drafted is None else [pos0, *drafted])}
+
+    def restore_state(self, seq: int, state: State, n_vocab: int) -> None:
+        offset, n_done, idle, lost = counters(state, "counters", 4)
+        rows, kv, feed = entry(state, "rows").tolist(), within(state, "kv/"), entry(state, "feed", None, 2)
+        self.target_cache.restore_state(seq, within(state, "target/"), n_vocab)
+        n_tokens = len(self.target_cache.tokens[seq])
+        if not offset <= n_done <= max(n_tokens, offset) or scalar(kv, "length") < n_done - offset:
+            raise StateError(f"head rows [{offset}, {n_done}) do not fit {n_tokens} target positions and the head KV")
+        fits(self.ctx.feed[seq, :self._n_feed(n_tokens, offset)], feed, "feed")
+        self.ctx.restore_seq(seq, kv)
+        copy_into(self.ctx.feed[seq, :len(feed)], feed)
+        self.offset[seq], self.n_done[seq], self.idle[seq], self.rng[seq] = offset, n_done, idle, None
+        if lost:
+            self.lost.add(seq)
+        else:
+            self.lost.discard(seq)
+        self.rows.pop(seq, None)
+        if rows:
+            self.rows[seq] = (rows[0], rows[1:])
+
+    def forget(self, seq: int) -> None:
+        self.target_cache.forget(seq)
+        self.rows.pop(seq, None)
+        self.lost.discard(seq)
+        self.idle[seq], self.rng[seq] = 0, None
+        self._start_at(seq, self.lead)
+
+    def slot_info(self, seq: int) -> dict:
+        return {"n_kv": self.ctx.lengths[seq], "lost": seq in self.lost}
+
+    def _n_feed(self, n_tokens: int, offset: int) -> int:
+        """Feed rows that n_tokens committed positions read: f_t of target position t lives at t + 1 - offset."""
+        return min(max(n_tokens - offset + 1, 0), self.ctx.feed.shape[1])
 
     def _catch_up(self, batch: Batch, seqs, until: dict[int, int] | None = None) -> Batch:
         """Add the deferred head rows of target positions [n_done, processed) of `seqs` to `batch` (after trimming

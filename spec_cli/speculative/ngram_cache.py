@@ -5,14 +5,18 @@ and the `ngram-cache` spec type (`common_speculative_impl_ngram_cache`); the loo
 spec_cli/runtime/lookup_offline.py) count and draft with the same functions.
 Tiers: the context cache (this request's text, lax thresholds), the dynamic cache (earlier generations, strict
 thresholds) and the static cache (corpus bigrams: a weight on the other tiers' candidates, and the last resort).
-The caches' files (llama.cpp's byte format) are read and written by ngram_cache_file.py.
+The caches' files (llama.cpp's byte format) are read and written by ngram_cache_file.py. A slot file holds a
+sequence's context cache; the dynamic and static caches are files of their own (-lcd, -lcs).
 """
 
 from __future__ import annotations
 
 import os
 
-from spec_cli.errors import SpecCliError
+import numpy as np
+
+from spec_cli.errors import SpecCliError, StateError
+from spec_cli.model.state_arrays import State, counters, entry
 from spec_cli.speculative.base import DraftParams, HistoryDrafter, SpecParams
 from spec_cli.speculative.ngram_cache_file import Ngram, NgramCache, load_cache, merge_caches, save_cache
 
@@ -134,6 +138,31 @@ class NgramCacheDrafter(HistoryDrafter):
 
     def accept(self, seq: int, n_accepted: int, is_other: bool) -> None:
         pass
+
+    def save_state(self, seq: int) -> State:
+        """The context cache as rows (n-gram [NGRAM_MAX], token, count)."""
+        rows = [(*ngram, token, count) for ngram, part in self.contexts[seq].items() for token, count in part.items()]
+        return {"context": np.asarray(rows, dtype=np.int64).reshape(-1, NGRAM_MAX + 2),
+                "n_indexed": np.asarray([self.n_indexed[seq]])}
+
+    def restore_state(self, seq: int, state: State, n_vocab: int) -> None:
+        rows = entry(state, "context", ndim=2)
+        ngram_ids, tokens_counts = rows[:, :NGRAM_MAX], rows[:, NGRAM_MAX:]
+        if rows.shape[1] != NGRAM_MAX + 2 or (rows.size and (
+                ngram_ids.min() < TOKEN_NULL or ngram_ids.max() >= n_vocab or tokens_counts[:, 0].min() < 0
+                or tokens_counts[:, 0].max() >= n_vocab or tokens_counts[:, 1].min() < 1)):
+            raise StateError(f"'context' is not rows of {NGRAM_MAX} n-gram ids, a token and a count")
+        (n_indexed,) = counters(state, "n_indexed", 1)
+        context: NgramCache = {}
+        for *ngram, token, count in rows.tolist():
+            context.setdefault(tuple(ngram), {})[token] = count
+        self.contexts[seq], self.n_indexed[seq] = context, n_indexed
+
+    def forget(self, seq: int) -> None:
+        self.contexts[seq], self.n_indexed[seq] = {}, 0
+
+    def slot_info(self, seq: int) -> dict:
+        return {"n_ngrams": len(self.contexts[seq])}
 
     def save_dynamic(self, path: str | None = None) -> None:
         """Merge every sequence's context cache into the dynamic cache and write it (end of llama-lookup).

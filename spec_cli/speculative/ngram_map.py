@@ -5,6 +5,7 @@ Mirrors llama.cpp common/ngram-map.cpp (`common_ngram_map_begin/_draft/_accept`,
 `prompt + [id_last]`; a match is an earlier occurrence whose key and m-token value both lie inside `prompt`.
 Positions already indexed (<= key_map_last_idx) are found through a 2^18-bucket hash table; newer
 positions by a scan. Each key keeps up to 4 candidate values with counts and the last accepted length.
+A slot file holds a sequence's whole map (`NgramMap.state`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from spec_cli.errors import StateError
+from spec_cli.model.state_arrays import State, counters, entry, ints, token_ids
 from spec_cli.speculative.base import DraftParams, HistoryDrafter, SpecParams
 
 LCG_FACTOR = 2654435761  # Knuth's multiplicative constant; the hash runs in uint32 arithmetic
@@ -196,6 +199,45 @@ class NgramMap:
                     break
         k.stat_idx = match_pos
 
+    def state(self) -> State:
+        """The map as arrays: per key its tokens, (key_idx, stat_idx, key_num) and values (n_accepted, idx, num)."""
+        keys = list(self.keys.items())
+        last = next(((row, j) for row, (_, k) in enumerate(keys) for j, v in enumerate(k.values)
+                     if v is self.last_value), (-1, -1))
+        slots = np.flatnonzero(self.key_map)
+        return {"keys": np.asarray([key for key, _ in keys], dtype=np.int64).reshape(-1, self.size_key),
+                "key_fields": np.asarray([[k.key_idx, k.stat_idx, k.key_num] for _, k in keys],
+                                         dtype=np.int64).reshape(-1, 3),
+                "values": np.asarray([[[v.n_accepted, v.idx, v.num] for v in k.values] for _, k in keys],
+                                     dtype=np.int64).reshape(-1, MAX_VALUES, 3),
+                "key_map_slots": slots, "key_map_pos": self.key_map[slots].astype(np.int64),
+                "begin_tokens": ints(self.begin_tokens), "last_value": np.asarray(last),
+                "counters": np.asarray([self.key_map_last_idx, self.size_last_begin, self.idx_last_check])}
+
+    def restore(self, state: State, n_vocab: int) -> None:
+        """The map `state` describes, checked before anything is replaced (StateError)."""
+        keys, fields = entry(state, "keys", ndim=2), entry(state, "key_fields", ndim=2)
+        values = entry(state, "values", ndim=3)
+        slots, pos, last = entry(state, "key_map_slots"), entry(state, "key_map_pos"), entry(state, "last_value")
+        n = len(keys)
+        if keys.shape[1] != self.size_key or fields.shape != (n, 3) or values.shape != (n, MAX_VALUES, 3):
+            raise StateError(f"the map's keys are not of {self.size_key} tokens with their values (saved with other "
+                             "--spec-ngram-map-* sizes?)")
+        if slots.shape != pos.shape or (slots.size and (slots.min() < 0 or slots.max() >= HASH_MAP_SIZE
+                                                         or pos.min() < 0 or pos.max() >= 1 << 32)):
+            raise StateError("the map's hash table does not fit its size")
+        if last.shape != (2,) or not (last[0] == -1 or (0 <= last[0] < n and 0 <= last[1] < MAX_VALUES)):
+            raise StateError("'last_value' does not name one of the map's values")
+        begin = token_ids(state, "begin_tokens", n_vocab).tolist()
+        last_idx, size_last_begin, idx_last_check = counters(state, "counters", 3)
+        self.keys = {tuple(key): Key(f[0], [Value(*v) for v in vs], f[1], f[2])
+                     for key, f, vs in zip(keys.tolist(), fields.tolist(), values.tolist())}
+        self.key_map.fill(0)
+        self.key_map[slots] = pos
+        self.begin_tokens, self.key_map_last_idx = begin, last_idx
+        self.size_last_begin, self.idx_last_check = size_last_begin, idx_last_check
+        self.last_value = list(self.keys.values())[last[0]].values[last[1]] if last[0] >= 0 else None
+
     def accept(self, n_accepted: int) -> None:
         # The next draft from this value is at most n_accepted long; 0 silences it for good.
         if self.last_value is not None:
@@ -223,6 +265,18 @@ class _NgramMapDrafter(HistoryDrafter):
     def accept(self, seq: int, n_accepted: int, is_other: bool) -> None:
         if not is_other:
             self.maps[seq].accept(n_accepted)
+
+    def save_state(self, seq: int) -> State:
+        return self.maps[seq].state()
+
+    def restore_state(self, seq: int, state: State, n_vocab: int) -> None:
+        self.maps[seq].restore(state, n_vocab)
+
+    def forget(self, seq: int) -> None:
+        self.maps[seq].reset()
+
+    def slot_info(self, seq: int) -> dict:
+        return {"n_keys": len(self.maps[seq].keys)}
 
 
 class NgramMapKDrafter(_NgramMapDrafter):

@@ -5,12 +5,17 @@ The pool has 4M int32 slots; an n-gram's slot is its polynomial hash (multiplier
 uint64 wraparound) modulo the size, with no collision check. Drafting walks the pool from the last n
 tokens until an empty slot. The pool is cleared when more than 25 % full at a begin, or after 5
 consecutive drafts of one sequence with less than 25 % accepted.
+
+A slot file holds the sequence's counters and the pool's occupied slots (the pool is shared: restoring writes them
+over the pool, which leaves a fresh process's pool as it was at the save and adds them to a live one's).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from spec_cli.errors import StateError
+from spec_cli.model.state_arrays import State, counters, entry, scalar, token_ids
 from spec_cli.speculative.base import DraftParams, HistoryDrafter, SpecParams
 
 POOL_SIZE = 4 * 1024 * 1024
@@ -58,6 +63,18 @@ class NgramPool:
         uniq, first_rev = np.unique(slots[::-1], return_index=True)
         self.used += int(np.count_nonzero(self.entries[uniq] == EMPTY))
         self.entries[uniq] = following[w - 1 - first_rev]
+
+    def occupied(self) -> tuple[np.ndarray, np.ndarray]:
+        """(slot indices, their tokens) of the occupied slots."""
+        slots = np.flatnonzero(self.entries != EMPTY)
+        return slots, self.entries[slots]
+
+    def write(self, slots: np.ndarray, tokens: np.ndarray) -> None:
+        """entries[slots] = tokens (checked: StateError)."""
+        if slots.shape != tokens.shape or (slots.size and (slots.min() < 0 or slots.max() >= self.size)):
+            raise StateError(f"the pool's slots are not {len(tokens)} indices in [0, {self.size})")
+        self.entries[slots] = tokens
+        self.used = int(np.count_nonzero(self.entries != EMPTY))
 
     def walk(self, window: list[int], n_max: int) -> list[int]:
         """Follow the pool from `window` (n tokens) for up to n_max tokens, stopping at an empty slot."""
@@ -137,3 +154,22 @@ class NgramModDrafter(HistoryDrafter):
                 self.i_last[seq] = 0  # re-add this sequence's whole history at its next draft
         else:
             self.n_low[seq] = 0
+
+    def save_state(self, seq: int) -> State:
+        slots, tokens = self.pool.occupied()
+        return {"n_match": np.asarray(self.pool.n), "pool_slots": slots, "pool_tokens": tokens,
+                "counters": np.asarray([self.i_last[seq], self.n_draft_last[seq], self.n_low[seq]])}
+
+    def restore_state(self, seq: int, state: State, n_vocab: int) -> None:
+        if scalar(state, "n_match") != self.pool.n:
+            raise StateError(f"saved with --spec-ngram-mod-n-match {int(state['n_match'])}, this server uses "
+                             f"{self.pool.n}")
+        i_last, n_draft_last, n_low = counters(state, "counters", 3)
+        self.pool.write(entry(state, "pool_slots"), token_ids(state, "pool_tokens", n_vocab).astype(np.int32))
+        self.i_last[seq], self.n_draft_last[seq], self.n_low[seq] = i_last, n_draft_last, n_low
+
+    def forget(self, seq: int) -> None:
+        self.i_last[seq] = self.n_draft_last[seq] = self.n_low[seq] = 0  # the shared pool stays
+
+    def slot_info(self, seq: int) -> dict:
+        return {"pool_used": self.pool.used}

@@ -1,13 +1,14 @@
 """`ngram-simple`: copy what followed the most recent earlier occurrence of the last n tokens.
 
 Mirrors llama.cpp `common_ngram_simple_draft` (common/ngram-map.cpp) and `common_speculative_impl_ngram_simple`.
-Stateless: `begin`, `process` and `accept` do nothing.
+Stateless: `begin`, `process` and `accept` do nothing, and a slot file holds nothing of it.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from spec_cli.model.state_arrays import State
 from spec_cli.speculative.base import DraftParams, HistoryDrafter, SpecParams
 
 
@@ -52,3 +53,9 @@ class NgramSimpleDrafter(HistoryDrafter):
 
     def draft_one(self, p: DraftParams) -> list[int]:
         return ngram_simple_draft(p.prompt, p.id_last, self.size_n, self.size_m)
+
+    def save_state(self, seq: int) -> State:
+        return {}
+
+    def restore_state(self, seq: int, state: State, n_vocab: int) -> None:
+        pass

@@ -17,7 +17,8 @@ class DrafterStats:
     n_call_begin: int = 0
     n_call_draft: int = 0
     n_call_accept: int = 0  # verify steps that used this drafter's draft
-    n_proposed: int = 0  # non-empty drafts it produced; with --spec-select gain some lose to another drafter's
+    n_proposed: int = 0  # non-empty drafts it produced; some lose to another drafter's (--spec-select gain) or
+    #                      were asked only to be scored (an n-gram drafter shadowed by --draft-max auto)
     n_gen_drafts: int = 0
     n_acc_drafts: int = 0  # drafts with at least one accepted token
     n_gen_tokens: int = 0

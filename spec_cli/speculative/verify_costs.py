@@ -60,9 +60,9 @@ class CostModel:
     depth of a real sequence (the minimum of 2), linear between points and extrapolated past the last.
     Refined online: each step's measured time updates an estimate for its row count, the mean of the curve's value
     (as one sample) and the steps seen so far until that is an EMA at COST_EMA. Row counts not seen yet use the curve
-    plus the gap between observed and calibrated times at the nearest observed row counts (interpolated between
-    them), i.e. what the bare forward does not see (verification, rollback, draft-simple mirroring the batch on the
-    draft model, a busier machine) and how the machine's phase bends the curve.
+    moved as the nearest observed row counts moved (interpolated between them): by their gap between observed and
+    calibrated times (what the bare forward does not see: verification, rollback, draft-simple mirroring the batch on
+    the draft model) or by their ratio (a faster or slower machine), whichever reads lower (`_around_observed`).
     Why the early steps weigh so much: a calibration is cached and taken in whatever phase this VM was in, and the
     phases differ in shape, not only in level (qwen2.5-coder-1.5b, 2 threads: 1/2/3 rows 23.4/35.0/46.0 ms in one,
     35.2/39.6/37.4 in another). With the first shape and a weight of 0.1 per step, one 2-row probe at the real
@@ -86,7 +86,7 @@ class CostModel:
         """Time forwards on `seq` after the cells it holds (removed again); rows that do not fit are extrapolated.
         A calibration of the same model file, weights, device, threads, sequence count, torch and kernel build is
         read from the cache instead, and re-anchored to forwards of REFRESH_ROWS rows timed now: the rest of the
-        curve moves by the gap at the nearest of them (as unseen row counts do online)."""
+        curve moves with the nearest of them, as unseen row counts do online (`_around_observed`)."""
         key = _calibration_key(ctx)
         cached = _read_cache(self.cache).get(key) if self.cache and key else None
         room = min(ctx.n_ctx_seq - ctx.lengths[seq], ctx.n_batch)
@@ -122,18 +122,29 @@ class CostModel:
 
     def __call__(self, rows: int) -> float:
         seen = self.observed.get(rows)
-        return seen if seen is not None else self.curve(rows) + self.gap(rows)
+        if seen is not None:
+            return seen
+        curve = self.curve(rows)
+        gap = self._around_observed(rows, lambda k: self.observed[k] - self.curve(k), 0.0)
+        ratio = self._around_observed(rows, lambda k: self.observed[k] / self.curve(k), 1.0)
+        return min(curve + gap, curve * ratio)
 
-    def gap(self, rows: int) -> float:
-        """Observed minus calibrated time, interpolated between the nearest observed row counts (the nearest one's
-        beyond them); 0 before any step."""
+    def _around_observed(self, rows: int, of: Callable[[int], float], default: float) -> float:
+        """`of` at the observed row counts nearest to `rows`, interpolated between them (the nearest one's beyond
+        them); `default` before any step. Two readings of how the steps differ from the calibration: a gap (what
+        the bare forward does not see: verification, rollback, mirroring on a draft model) and a ratio (the
+        machine faster or slower than when it was calibrated: the cached curve may come from another phase or
+        another load). An unseen row count takes the lower of the two: a cost that reads high is never tried
+        and never corrected. With the gap alone, a curve calibrated at twice today's times kept 17 rows at
+        10 one-row forwards, where they cost 5, and ngram-mod's 16-token drafts, accepted whole, were cut to 2
+        (replayed: 0.91x of --draft-max 16 on code edits; with the lower of the two, 0.99x)."""
         seen = sorted(self.observed)
         if not seen:
-            return 0.0
+            return default
         i = bisect.bisect_left(seen, rows)
         lo, hi = seen[max(i - 1, 0)], seen[min(i, len(seen) - 1)]
-        gap_lo, gap_hi = (self.observed[k] - self.curve(k) for k in (lo, hi))
-        return gap_lo if hi == lo else gap_lo + (gap_hi - gap_lo) * (rows - lo) / (hi - lo)
+        at_lo, at_hi = of(lo), of(hi)
+        return at_lo if hi == lo else at_lo + (at_hi - at_lo) * (rows - lo) / (hi - lo)
 
     def curve(self, rows: int) -> float:
         """The calibrated time: linear between points, along the last segment past the last point (proportional
