@@ -1,12 +1,11 @@
 """draft-dspark: DFlash drafters with DSpark's Markov (and confidence) head in llama.cpp's layout, written with gguf's
 writer (tests/tiny_dflash.py plus markov_w1 / markov_w2 / conf_proj): every draft is the reference block's rows
 biased by a Markov chain computed here from the file's weights (anchor-first and not, stopped by the confidence
-under --draft-p-min), one forward per draft; greedy output equals plain; the type comes from the file; bad
-combinations are clear errors."""
+under --draft-p-min), one forward per draft; greedy output equals plain, alone and chained with ngram-mod, with
+and without a cached prompt prefix; the type comes from the file; bad combinations are clear errors."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -15,32 +14,7 @@ from spec_cli.runtime.draft_files import draft_kind
 from tests.draft_recorder import record_drafts
 from tests.test_dflash import make_session, plain_outputs, target_path  # noqa: F401 (fixtures)
 from tests.test_eagle3 import PROMPTS, run_all, target_features
-from tests.tiny_dflash import (
-    MASK,
-    H,
-    reference_block,
-    reference_fuse,
-    write_tiny_dflash,
-)
-
-RANK = 32
-
-
-def write_tiny_dspark(path, target, anchor_first: bool | None = True, confidence: bool = True, seed: int = 5,
-                      n_draft: int | None = 150, scale: float = 0.5):
-    """A random DSpark drafter (anchor_first None: no dflash.sample_from_anchor key) and its Markov weights
-    (w1 [V, R], w2 [rows, R], conf [1, H + R] and its bias, the w2 scale)."""
-    rng = np.random.default_rng(seed + 100)
-    V, rows = 307, n_draft or 307
-    markov = {"markov_w1.weight": rng.standard_normal((V, RANK)).astype(np.float32),
-              "markov_w2.weight": (3.0 * rng.standard_normal((rows, RANK)) / np.sqrt(RANK)).astype(np.float32),
-              "markov_w2.scale": np.array([scale], dtype=np.float32)}
-    if confidence:
-        markov["conf_proj.weight"] = (rng.standard_normal((1, H + RANK)) / np.sqrt(H + RANK)).astype(np.float32)
-        markov["conf_proj.bias"] = np.array([0.3], dtype=np.float32)
-    keys = {} if anchor_first is None else {"dflash.sample_from_anchor": anchor_first}
-    tiny = write_tiny_dflash(path, target, seed=seed, n_draft=n_draft, extra_keys=keys, extra_tensors=markov)
-    return tiny, {k: torch.tensor(v) for k, v in markov.items()}
+from tests.tiny_dflash import MASK, reference_block, reference_fuse, write_tiny_dflash, write_tiny_dspark
 
 
 def reference_draft(tiny, markov, lm, prompt, id_last, n, anchor_first, p_min=0.0) -> list[int]:
@@ -117,3 +91,18 @@ def test_bad_dspark_combinations_are_clear_errors(target_path, tmp_path):  # noq
         make_session(target_path, no_conf.path, "draft-dflash")
     with pytest.raises(UsageError, match="needs a DSpark draft"):
         make_session(target_path, None, "draft-dspark")
+
+
+@pytest.mark.parametrize("n_seq", [1, 4])
+def test_chained_with_ngram_mod_and_a_cached_prefix_it_equals_plain(target_path, plain_outputs, tmp_path,  # noqa: F811
+                                                                     n_seq):
+    """ngram-mod,draft-dspark for one and four sequences; then a request reusing the first's prompt prefix from the
+    KV cache (the server's prompt cache): the drafter's cache is cut where the prefix ends."""
+    tiny, _ = write_tiny_dspark(tmp_path / "dspark.gguf", target_path)
+    session = make_session(target_path, tiny.path, "ngram-mod,draft-dspark", n_seq=n_seq, draft_max=8)
+    assert run_all(session, PROMPTS[:n_seq]) == plain_outputs[:n_seq]
+    plain = make_session(target_path, None, "")
+    second = PROMPTS[0][:6] + PROMPTS[2]
+    assert run_all(plain, [PROMPTS[0]]) == plain_outputs[:1]
+    assert run_all(session, [second], n_cached=6) == run_all(plain, [second], n_cached=6)
+    assert session.chain.stats["draft-dspark"].n_gen_tokens > 0

@@ -20,6 +20,7 @@ from tests.tiny_gguf import add_metadata
 from tests.tiny_vocab import tiny_bpe_metadata
 
 H, N_HEAD, N_KV, HEAD_DIM, N_FF = 64, 4, 2, 16, 96
+RANK = 32  # a tiny DSpark drafter's Markov rank
 MASK = 300  # a token of the tiny vocabulary the prompts never use
 
 
@@ -97,6 +98,23 @@ def write_tiny_dflash(path: Path, target_path: Path, layers=(1, 2, 4), block_siz
     read = lambda name: load_tensor(tgt, name).numpy()  # noqa: E731
     return TinyDFlash(Path(path), tuple(layers), block_size, hf, n_layer, d2t, read("token_embd.weight"),
                       read("output.weight"))
+
+
+def write_tiny_dspark(path, target, anchor_first: bool | None = True, confidence: bool = True, seed: int = 5,
+                      n_draft: int | None = 150, scale: float = 0.5):
+    """A random DSpark drafter (anchor_first None: no dflash.sample_from_anchor key) and its Markov weights
+    (w1 [V, R], w2 [rows, R], conf [1, H + R] and its bias, the w2 scale)."""
+    rng = np.random.default_rng(seed + 100)
+    V, rows = 307, n_draft or 307
+    markov = {"markov_w1.weight": rng.standard_normal((V, RANK)).astype(np.float32),
+              "markov_w2.weight": (3.0 * rng.standard_normal((rows, RANK)) / np.sqrt(RANK)).astype(np.float32),
+              "markov_w2.scale": np.array([scale], dtype=np.float32)}
+    if confidence:
+        markov["conf_proj.weight"] = (rng.standard_normal((1, H + RANK)) / np.sqrt(H + RANK)).astype(np.float32)
+        markov["conf_proj.bias"] = np.array([0.3], dtype=np.float32)
+    keys = {} if anchor_first is None else {"dflash.sample_from_anchor": anchor_first}
+    tiny = write_tiny_dflash(path, target, seed=seed, n_draft=n_draft, extra_keys=keys, extra_tensors=markov)
+    return tiny, {k: torch.tensor(v) for k, v in markov.items()}
 
 
 def _add_tensors(writer: GGUFWriter, hf: dict[str, np.ndarray], n_layer: int, d2t: list[int] | None,

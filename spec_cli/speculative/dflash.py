@@ -15,17 +15,23 @@ rejection (T > 0), drawn from the row's distribution under the target's sampler 
 (q, over the draft vocabulary mapped to target ids) returned for the verify. A block's rows do not see each other's
 drawn tokens, only the masks: q_i is still the distribution token i was drawn from, which is all rejection sampling
 needs to stay exact.
+
+A slot file holds a sequence's injected keys and values (a restored slot's prompt is never decoded again, so its
+features exist nowhere else), the mirror of the target cache and whether the sequence is lost; the sampling generator
+is not kept (each request starts its own).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from spec_cli.errors import SpecCliError
+from spec_cli.errors import SpecCliError, StateError
 from spec_cli.model.batch import Batch
 from spec_cli.model.context import Context
 from spec_cli.model.dflash_head import DFlashContext
 from spec_cli.model.sampling import draft_generator, sample_restricted
+from spec_cli.model.state_arrays import State, prefixed, scalar, within
 from spec_cli.speculative.base import Drafter, DraftParams, SpecParams, TargetCache
 from spec_cli.speculative.draft_model import DRAFT_TOP_K
 
@@ -90,6 +96,34 @@ class DFlashDrafter(Drafter):
 
     def min_length(self, p: DraftParams) -> int:
         return p.min_length(self.params)
+
+    # --- slot files ---------------------------------------------------------------------------------------------
+
+    def save_state(self, seq: int) -> State:
+        return {**prefixed("kv/", self.ctx.seq_state(seq)), **prefixed("target/", self.target_cache.save_state(seq)),
+                "lost": np.asarray(int(seq in self.lost))}
+
+    def restore_state(self, seq: int, state: State, n_vocab: int) -> None:
+        lost, kv = scalar(state, "lost", 0, 1), within(state, "kv/")
+        self.target_cache.restore_state(seq, within(state, "target/"), n_vocab)
+        n_tokens = len(self.target_cache.tokens[seq])
+        if scalar(kv, "length") > n_tokens:
+            raise StateError(f"{int(kv['length'])} injected positions, past the {n_tokens} target positions")
+        self.ctx.restore_seq(seq, kv)
+        self.rng[seq] = None
+        if lost:
+            self.lost.add(seq)
+        else:
+            self.lost.discard(seq)
+
+    def forget(self, seq: int) -> None:
+        self.target_cache.forget(seq)
+        self.ctx.seq_rm(seq, 0)
+        self.lost.discard(seq)
+        self.rng[seq] = None
+
+    def slot_info(self, seq: int) -> dict:
+        return {"n_kv": self.ctx.lengths[seq], "lost": seq in self.lost}
 
     def draft(self, params: list[DraftParams]) -> None:
         batch, blocks = Batch(), []
