@@ -148,7 +148,7 @@ def _load_markov(gf: GGUFFile, head: DFlashHead, n_rows: int, quantize: bool) ->
     anchor_first = gf.get(f"{ARCH}.sample_from_anchor", True) in (True, "true")
     markov = MarkovHead(cfg.n_vocab, n_rows, rank, cfg.n_embd, anchor_first)
     markov.device = head.device
-    markov.w1.weight = load_tensor(gf, DSPARK_TENSORS[0], head.device)
+    markov.w1.weight = load_tensor(gf, DSPARK_TENSORS[0], head.device).to(head.dtype)
     load_into(markov, gf, DSPARK_TENSORS[1], "w2.weight", quantize)
     if DSPARK_TENSORS[2] in gf.tensors:
         markov.scale = float(load_tensor(gf, DSPARK_TENSORS[2]).reshape(-1)[0])
