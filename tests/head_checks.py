@@ -5,6 +5,7 @@ per-request types drafting with it."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import replace
 
 import httpx
@@ -18,6 +19,7 @@ from spec_cli.train.eagle3_data import request_prompts
 from spec_cli.train.requests import all_requests, is_held_out
 from tests.server_harness import LiveServer, greedy_reference
 from tests.server_harness import make_session as server_session
+from tests.test_generate_sampling import exact_two_token_distribution
 
 GREEDY = SamplingParams(temp=0.0, ignore_eos=True)
 
@@ -80,3 +82,18 @@ def server_types(target, md, kind: str, prompt: str) -> None:
                 assert out["generation_settings"]["speculative.types"] == (
                     ["ngram-mod", kind] if types is None else types)
     assert session.chain.stats[kind].n_gen_tokens > 0
+
+
+def assert_rejection_keeps_the_distribution(session, prompt: list[int]) -> None:
+    """Rejection sampling with `session`'s drafter (verify="rejection"): the first two tokens sampled over 600 seeds
+    follow plain sampling's joint distribution (total variation < 0.12), and some drafts are accepted, some not."""
+    params = dict(temp=1.5, top_k=3, top_p=1.0, min_p=0.0)  # flat: several pairs likely, drafts often rejected
+    exact = exact_two_token_distribution(session, prompt, SamplingParams(**params))
+    n, counts, accepted, drafted = 600, Counter(), 0, 0
+    for seed in range(n):
+        seq = generate(session.generator(), prompt, SamplingParams(seed=seed, ignore_eos=True, **params), 4)
+        counts[tuple(seq.tokens[len(prompt) : len(prompt) + 2])] += 1
+        accepted, drafted = accepted + seq.n_accepted, drafted + seq.n_drafted
+    tv = 0.5 * sum(abs(counts[k] / n - exact.get(k, 0.0)) for k in set(exact) | set(counts))
+    assert tv < 0.12, f"total variation {tv:.3f}"
+    assert drafted > 0 and 0 < accepted < drafted

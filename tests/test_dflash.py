@@ -8,8 +8,6 @@ bad files are clear errors."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 import pytest
 import torch
@@ -20,15 +18,13 @@ from spec_cli.model.batch import Batch
 from spec_cli.model.dflash_file import load_dflash_head
 from spec_cli.model.dflash_head import DFlashContext, DFlashHead
 from spec_cli.model.loader import load_model
-from spec_cli.model.sampling import SamplingParams
 from spec_cli.runtime.engine import EngineOptions
-from spec_cli.runtime.generate import generate
 from spec_cli.runtime.session import open_session
 from spec_cli.speculative.base import DraftParams, SpecParams
 from tests.draft_recorder import record_drafts
+from tests.head_checks import assert_rejection_keeps_the_distribution
 from tests.test_eagle3 import GREEDY, N_PREDICT, PROMPTS, run_all, target_features
 from tests.test_eagle3 import make_session as head_session
-from tests.test_generate_sampling import exact_two_token_distribution
 from tests.tiny_dflash import (
     MASK,
     reference_block_logits,
@@ -240,18 +236,8 @@ def test_a_cached_prompt_prefix_keeps_the_output(target_path, drafters, chain):
 def test_rejection_sampling_keeps_the_target_distribution(target_path, drafters):
     """q = the block row's distribution under the target's sampler settings (a random drafter over the whole
     vocabulary: some of its drafts are accepted, some rejected)."""
-    params = dict(temp=1.5, top_k=3, top_p=1.0, min_p=0.0)
     session = make_session(target_path, drafters["target-output"].path, verify="rejection", draft_max=3)
-    prompt = PROMPTS[1]
-    exact = exact_two_token_distribution(session, prompt, SamplingParams(**params))
-    n, counts, accepted, drafted = 600, Counter(), 0, 0
-    for seed in range(n):
-        seq = generate(session.generator(), prompt, SamplingParams(seed=seed, ignore_eos=True, **params), 4)
-        counts[tuple(seq.tokens[len(prompt) : len(prompt) + 2])] += 1
-        accepted, drafted = accepted + seq.n_accepted, drafted + seq.n_drafted
-    tv = 0.5 * sum(abs(counts[k] / n - exact.get(k, 0.0)) for k in set(exact) | set(counts))
-    assert tv < 0.12, f"total variation {tv:.3f}"
-    assert drafted > 0 and 0 < accepted < drafted
+    assert_rejection_keeps_the_distribution(session, PROMPTS[1])
 
 
 # --- bad files ------------------------------------------------------------------------------------------------

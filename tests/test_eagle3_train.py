@@ -6,8 +6,6 @@ T > 0); the training requests are none of the built-in prompt sets'."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 import pytest
 import torch
@@ -15,14 +13,18 @@ from gguf import GGUFReader, quants
 
 from spec_cli.model.loader import load_model
 from spec_cli.model.sampling import SamplingParams
-from spec_cli.runtime.generate import generate
 from spec_cli.text.prompt_sets import load_prompt_set
 from spec_cli.train.eagle3 import Eagle3TrainConfig, train
 from spec_cli.train.requests import all_requests, is_held_out
 from tests.draft_recorder import record_drafts
-from tests.head_checks import assert_it_learned, n_accepted, trained_and_untrained, training_prompts
+from tests.head_checks import (
+    assert_it_learned,
+    assert_rejection_keeps_the_distribution,
+    n_accepted,
+    trained_and_untrained,
+    training_prompts,
+)
 from tests.test_eagle3 import make_session, reference_draft
-from tests.test_generate_sampling import exact_two_token_distribution
 from tests.tiny_eagle3 import N_HEAD, N_KV, TinyEagle3
 from tests.tiny_gguf import write_tiny_gguf
 
@@ -116,18 +118,8 @@ def test_greedy_speculation_with_the_trained_head_equals_plain(target_path, trai
 
 def test_rejection_sampling_keeps_the_target_distribution(target_path, trained):
     """q = the head's distribution over its draft vocabulary mapped to target ids (0 elsewhere)."""
-    params = dict(temp=1.5, top_k=3, top_p=1.0, min_p=0.0)
     session = make_session(target_path, trained[0], verify="rejection", draft_max=3)
-    prompt = training_prompts(target_path, 1)[0]
-    exact = exact_two_token_distribution(session, prompt, SamplingParams(**params))
-    n, counts, accepted, drafted = 600, Counter(), 0, 0
-    for seed in range(n):
-        seq = generate(session.generator(), prompt, SamplingParams(seed=seed, ignore_eos=True, **params), 4)
-        counts[tuple(seq.tokens[len(prompt) : len(prompt) + 2])] += 1
-        accepted, drafted = accepted + seq.n_accepted, drafted + seq.n_drafted
-    tv = 0.5 * sum(abs(counts[k] / n - exact.get(k, 0.0)) for k in set(exact) | set(counts))
-    assert tv < 0.12, f"total variation {tv:.3f}"
-    assert drafted > 0 and 0 < accepted < drafted
+    assert_rejection_keeps_the_distribution(session, training_prompts(target_path, 1)[0])
 
 
 def test_training_requests_are_not_the_built_in_prompt_sets():
