@@ -56,11 +56,11 @@ def shaped_head(loaded, path: Path, kind: str, block: int) -> Path:
 
 
 def draft_context(kind: str, path: Path, target, n: int, depth: int):
-    """The drafter's context holding `depth` positions, and a draft at position `pos` in it."""
+    """A draft at position `pos` of a drafter's context holding `depth` positions, and what one draft is."""
     if kind == "eagle3":
         hctx = HeadContext(load_eagle3_head(path, target), n_ctx=n)
         hctx.decode(Batch([100] * depth, list(range(depth)), [0] * depth, [False] * depth))
-        return hctx, lambda pos: hctx.decode(Batch([100], [pos], [0], [True])).logits.argmax()
+        return lambda pos: hctx.decode(Batch([100], [pos], [0], [True])).logits.argmax(), "draft token"
     head = load_dflash_head(path, target)
     dctx = DFlashContext(head, n_ctx=n)
     features = torch.randn(depth, len(head.target_layers), target.config.n_embd)
@@ -72,7 +72,7 @@ def draft_context(kind: str, path: Path, target, n: int, depth: int):
                           [False] + [True] * (B - 1))).logits.argmax(-1)
         dctx.seq_rm(0, depth)
 
-    return dctx, block
+    return block, f"block of {B}"
 
 
 def main() -> None:
@@ -91,7 +91,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.model_draft) if args.model_draft else shaped_head(target, Path(tmp) / "head.gguf", args.type,
                                                                            args.block)
-        _, draft = draft_context(args.type, path, target, n, args.depth)
+        draft, what = draft_context(args.type, path, target, n, args.depth)
     ctx = Context(target, n_ctx=n)
     ctx.decode(Batch([100] * args.depth, list(range(args.depth)), [0] * args.depth, [False] * args.depth))
     times = {"target": [], "draft": []}
@@ -105,7 +105,6 @@ def main() -> None:
         times["draft"].append(time.perf_counter() - t1)
     target_ms, draft_ms = (statistics.median(times[k]) * 1000 for k in ("target", "draft"))
     ratio = statistics.median(d / t for d, t in zip(times["draft"], times["target"]))
-    what = "draft token" if args.type == "eagle3" else f"block of {args.block}"
     print(f"{args.model} at depth {args.depth}, {args.threads} threads: target decode {target_ms:.2f} ms, "
           f"{what} {draft_ms:.2f} ms, ratio {ratio:.3f} (median of the paired ratios)")
 
