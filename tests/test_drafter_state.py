@@ -16,12 +16,14 @@ from spec_cli.runtime.session import open_session
 from spec_cli.runtime.slot_file import restore_slot, save_slot
 from spec_cli.speculative.base import Drafter, SpecParams, StateUnsupported
 from tests.server_harness import PROMPTS, make_session
+from tests.tiny_dflash import write_tiny_dflash, write_tiny_dspark
 from tests.tiny_eagle3 import write_tiny_eagle3
 from tests.tiny_gguf import write_tiny_gguf
 from tests.tiny_mtp import write_tiny_mtp_gguf
 
 GREEDY = SamplingParams(temp=0.0, ignore_eos=True)
 SMALL_MAPS = dict(ngram_map_k_size_n=2, ngram_map_k_size_m=8, ngram_map_k4v_size_n=2, ngram_map_k4v_size_m=8)
+CHAINS = ["n-gram family", "draft-simple", "draft-mtp", "draft-eagle3", "draft-dflash", "draft-dspark"]
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +33,8 @@ def chains(tmp_path_factory, tiny_model_path, tiny_close_draft_path):
     mtp = write_tiny_mtp_gguf(d / "mtp.gguf")
     target4 = write_tiny_gguf(d / "target4.gguf", arch="llama", seed=11, n_layer=4)
     head = write_tiny_eagle3(d / "head.gguf", target4).path
+    dflash = write_tiny_dflash(d / "dflash.gguf", target4, n_draft=150).path
+    dspark = write_tiny_dspark(d / "dspark.gguf", target4)[0].path
     return {
         "n-gram family": lambda: make_session(tiny_model_path, 2, "ngram-simple,ngram-map-k,ngram-map-k4v,ngram-mod,"
                                               "ngram-cache", **SMALL_MAPS),
@@ -38,6 +42,8 @@ def chains(tmp_path_factory, tiny_model_path, tiny_close_draft_path):
                                              draft_vocab=40),  # fewer rows than the vocabulary: tokens get seen
         "draft-mtp": lambda: make_session(mtp, 2, "draft-mtp"),
         "draft-eagle3": lambda: make_session(target4, 2, "draft-eagle3", head),
+        "draft-dflash": lambda: make_session(target4, 2, "draft-dflash", dflash, draft_max=4),
+        "draft-dspark": lambda: make_session(target4, 2, "ngram-mod,draft-dspark", dspark, draft_max=4),
     }
 
 
@@ -61,7 +67,7 @@ def assert_same(a: dict, b: dict) -> None:
         assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), k
 
 
-@pytest.mark.parametrize("chain", ["n-gram family", "draft-simple", "draft-mtp", "draft-eagle3"])
+@pytest.mark.parametrize("chain", CHAINS)
 def test_a_state_put_into_a_fresh_session_continues_as_its_origin(chains, chain):
     origin, fresh = chains[chain](), chains[chain]()
     generate_on(origin, 1, prompt_of(origin, 3), 20)  # the other sequence's share of the shared state
@@ -76,7 +82,7 @@ def test_a_state_put_into_a_fresh_session_continues_as_its_origin(chains, chain)
     assert generate_on(fresh, 0, again, 24, n_cached=len(tokens)) == expected
 
 
-@pytest.mark.parametrize("chain", ["n-gram family", "draft-simple", "draft-mtp", "draft-eagle3"])
+@pytest.mark.parametrize("chain", CHAINS)
 def test_every_entry_of_a_state_is_checked(chains, chain):
     """Each entry left out, or replaced by an array of another kind, is a StateError; the sequence is then forgotten
     and the whole state still restores."""

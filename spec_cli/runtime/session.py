@@ -6,8 +6,8 @@
 
 A session owns what a configuration changes: the drafters the registry builds for its spec types (fresh, with
 empty n-gram state), the adaptive planner for --draft-max auto, and whether the target keeps its hidden states
-for the drafters that read them (draft-mtp, draft-eagle3). Sessions share their engine's KV caches, so one lives at a time; other
-settings mean a new session (`renew`), never an assignment into the engine.
+for the drafters that read them (draft-mtp, draft-eagle3, draft-dflash). Sessions share their engine's KV caches, so
+one lives at a time; other settings mean a new session (`renew`), never an assignment into the engine.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def build_chain(engine: Engine, spec: SpecParams) -> Chain | None:
     order; with --draft-max auto, a fresh planner for them on the engine's cost model."""
     n_seq = engine.ctx.n_seq
     drafters = build_drafters(spec.types, DrafterInputs(spec, n_seq, engine.ctx, engine.draft_ctx, engine.mtp_ctx,
-                                                            engine.eagle3_ctx))
+                                                        engine.eagle3_ctx, engine.dflash_ctx))
     if not drafters:
         return None
     return Chain(drafters, n_seq, Planner(engine.costs, spec.draft_max) if spec.adaptive else None, spec.select)
