@@ -201,7 +201,8 @@ dtype = choice(*DTYPES, aliases={"float32": "f32", "float16": "f16", "bfloat16":
 # registered there at run time (a plugin's) is appended by `add_drafter_type`.
 _DRAFTER_TYPES: dict[str, tuple[str, ...]] = {
     "ngram-simple": (), "ngram-map-k": (), "ngram-map-k4v": (), "ngram-mod": (), "ngram-cache": (), "suffix": (),
-    "draft-simple": ("draft",), "draft-mtp": ("mtp",), "draft-eagle3": ("eagle3",),
+    "draft-simple": ("draft",), "draft-mtp": ("mtp",), "draft-eagle3": ("eagle3",), "draft-dflash": ("dflash",),
+    "draft-dspark": ("dspark",),
 }
 _TYPE_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]*")  # --spec-type values are lower-cased and split at commas
 
@@ -641,12 +642,16 @@ MTP_TRAIN = ("Training", [
 
 MTP_TRAIN_OPTIONS = {o.name: o for o in MTP_TRAIN[1]}
 
-# `spec-cli draft-train --type eagle3|mtp` (mtp-train = --type mtp): MTP_TRAIN's flags, whose defaults are the MTP
-# head's, where the EAGLE-3 head's differ these (train/eagle3.py Eagle3TrainConfig reads them here: sized to train
-# qwen2.5-coder-0.5b in about 45 minutes on a 2-core CPU), and the EAGLE-3 recipe's own
+# `spec-cli draft-train --type eagle3|dflash|mtp` (mtp-train = --type mtp): MTP_TRAIN's flags, whose defaults are
+# the MTP head's, where an EAGLE-3 head's or a DFlash drafter's differ these (train/eagle3.py and train/dflash.py read
+# them through `train_default`): EAGLE-3's sized to train qwen2.5-coder-0.5b in about 45 minutes on a 2-core CPU,
+# DFlash's qwen2.5-coder-1.5b within 2 hours
 EAGLE3_TRAIN_DEFAULTS = {"steps": 240, "data_tokens": 131072, "eval_tokens": 8192, "draft_vocab": 16000,
                          "ttt_steps": 4}
-HEAD_TYPES = ("eagle3", "mtp")
+DFLASH_TRAIN_DEFAULTS = {"steps": 300, "lr": 6e-4, "data_tokens": 65536, "gen_tokens": 49152, "eval_tokens": 8192,
+                         "draft_vocab": 32000, "block_size": 8, "draft_layers": 1, "anchors": 16}
+TRAIN_DEFAULTS = {"eagle3": EAGLE3_TRAIN_DEFAULTS, "dflash": DFLASH_TRAIN_DEFAULTS, "mtp": {}}
+HEAD_TYPES = tuple(TRAIN_DEFAULTS)
 
 
 def layer_list(value: str) -> tuple[int, ...]:
@@ -662,27 +667,47 @@ def layer_list(value: str) -> tuple[int, ...]:
 
 def _per_type(o: Opt) -> Opt:
     """A training flag of draft-train: left out, the trained type's default."""
-    eagle3 = EAGLE3_TRAIN_DEFAULTS.get(o.name, o.default)
+    defaults = {kind: shown(TRAIN_DEFAULTS[kind].get(o.name, o.default)) for kind in HEAD_TYPES}
+    listed = ", ".join(f"{kind} {value}" for kind, value in defaults.items())
     return replace(o, annotation=Optional[o.annotation], default=None,
-                   help=f"{o.help} (default: eagle3 {shown(eagle3)}, mtp {shown(o.default)})")
+                   help=f"{o.help} (default: {listed if len(set(defaults.values())) > 1 else defaults['mtp']})")
 
 
 _PER_TYPE = ("steps", "lr", "seq_len", "batch", "data_tokens", "gen_tokens", "eval_tokens", "checkpoint_every",
              "draft_vocab", "seed")
 DRAFT_TRAIN = ("Training", [
-    Opt("kind", str, HEAD_TYPES[0], ("--type",), f"the head to train: {' | '.join(HEAD_TYPES)} (eagle3: its own "
-        "file in llama.cpp's eagle3 layout, -md FILE drafts with it; mtp: the model plus a NextN head)",
-        parse=choice(*HEAD_TYPES)),
+    Opt("kind", str, HEAD_TYPES[0], ("--type",), f"the head to train: {' | '.join(HEAD_TYPES)} (eagle3, dflash: a "
+        "file of its own in llama.cpp's eagle3 / dflash layout, -md FILE drafts with it; mtp: the model plus a NextN "
+        "head)", parse=choice(*HEAD_TYPES)),
     *(_per_type(o) if o.name in _PER_TYPE else
-      replace(o, help="GGUF to write (eagle3: the head; mtp: the model plus the head)") if o.name == "output" else o
+      replace(o, help="GGUF to write (eagle3, dflash: the drafter; mtp: the model plus the head)")
+      if o.name == "output" else o
       for o in MTP_TRAIN[1]),
+    Opt("layers", Optional[str], None, ("--layers",), "the target layers read (their inputs), comma list (default "
+        "eagle3: 2, N/2, N-3 of the target's N, as llama.cpp's converter; dflash: five spread over 2..N-2, as "
+        "SpecForge spreads them)", parse=layer_list),
 ])
 EAGLE3_TRAIN = ("EAGLE-3", [
     Opt("ttt_steps", Optional[int], None, ("--ttt-steps",), "draft steps unrolled in training (the training-time "
         f"test; default {EAGLE3_TRAIN_DEFAULTS['ttt_steps']})", ge=1),
-    Opt("layers", Optional[str], None, ("--layers",), "the three target layers read, comma list (default: 2, N/2, "
-        "N-3 of the target's N, as llama.cpp's converter)", parse=layer_list),
 ])
+DFLASH_TRAIN = ("DFlash", [
+    Opt("block_size", Optional[int], None, ("--block-size",), "tokens a block holds (the anchor and up to B - 1 "
+        f"drafts; default {DFLASH_TRAIN_DEFAULTS['block_size']})", ge=2),
+    Opt("draft_layers", Optional[int], None, ("--draft-layers",), "decoder layers of the drafter (default "
+        f"{DFLASH_TRAIN_DEFAULTS['draft_layers']})", ge=1),
+    Opt("anchors", Optional[int], None, ("--anchors",), "blocks trained per window and step (default "
+        f"{DFLASH_TRAIN_DEFAULTS['anchors']})", ge=1),
+])
+
+
+def train_default(kind: str, name: str):
+    """A training setting's default for head type `kind`: its own (TRAIN_DEFAULTS), else its flag's."""
+    if name in TRAIN_DEFAULTS[kind]:
+        return TRAIN_DEFAULTS[kind][name]
+    return next(o.default for _, group in (MTP_TRAIN, DRAFT_TRAIN, EAGLE3_TRAIN, DFLASH_TRAIN) for o in group
+                if o.name == name)
+
 
 # `spec-cli lookup-stats`: the text is replayed in chunks of -c tokens
 CHUNKS = ("Replay", [

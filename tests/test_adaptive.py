@@ -348,6 +348,21 @@ def test_draft_cost_caps_drafting_but_a_paid_draft_is_verified():
     assert planner.plan([("x", 8)], 4.0) == [8]  # drafting is spent: verifying all 8 costs nothing more
 
 
+def test_a_block_drafter_is_priced_per_call_and_its_length_follows_the_verify_cost():
+    """A block drafter (draft-dflash: one forward whatever the draft's length) pays as much for one token as for
+    all: the same 0.5 forwards a call that capped a per-token drafter at 3 leave its length to the verify cost curve
+    and the acceptance."""
+    planner = planner_with(flat(), {"x": 0.9})
+    planner.per_call = frozenset({"x"})
+    planner.observe_drafting("x", 9.0, 1)  # the first call is not priced
+    planner.observe_drafting("x", 0.5, 1)  # a call that drafted one token
+    assert planner.drafting_caps(["x"], 1) == {"x": AUTO_DRAFT_MAX}
+    costs = CostModel()  # flat up to 8 rows, then dear
+    costs.set_points({1: 1.0, 8: 1.0, 16: 4.0})
+    planner.costs = costs
+    assert planner.drafting_caps(["x"], 1) == {"x": 7}
+
+
 def test_a_stepped_cost_curve_does_not_stop_the_plan_early():
     costs = CostModel()  # 2 rows cost a lot, 4..8 barely more: a greedy stop at the first loss would give 0
     costs.set_points({1: 1.0, 2: 2.0, 4: 2.05, 8: 2.1, 16: 8.0})

@@ -16,13 +16,15 @@ from spec_cli.runtime.session import open_session
 from spec_cli.runtime.slot_file import restore_slot, save_slot
 from spec_cli.speculative.base import Drafter, SpecParams, StateUnsupported
 from tests.server_harness import PROMPTS, make_session
+from tests.tiny_dflash import write_tiny_dflash, write_tiny_dspark
 from tests.tiny_eagle3 import write_tiny_eagle3
 from tests.tiny_gguf import write_tiny_gguf
 from tests.tiny_mtp import write_tiny_mtp_gguf
 
 GREEDY = SamplingParams(temp=0.0, ignore_eos=True)
-CHAINS = ["n-gram family", "draft-simple", "draft-mtp", "draft-eagle3", "suffix", "draft-simple, another vocabulary"]
 SMALL_MAPS = dict(ngram_map_k_size_n=2, ngram_map_k_size_m=8, ngram_map_k4v_size_n=2, ngram_map_k4v_size_m=8)
+CHAINS = ["n-gram family", "draft-simple", "draft-mtp", "draft-eagle3", "draft-dflash", "draft-dspark", "suffix",
+          "draft-simple, another vocabulary"]
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +34,8 @@ def chains(tmp_path_factory, tiny_model_path, tiny_close_draft_path, tiny_other_
     mtp = write_tiny_mtp_gguf(d / "mtp.gguf")
     target4 = write_tiny_gguf(d / "target4.gguf", arch="llama", seed=11, n_layer=4)
     head = write_tiny_eagle3(d / "head.gguf", target4).path
+    dflash = write_tiny_dflash(d / "dflash.gguf", target4, n_draft=150).path
+    dspark = write_tiny_dspark(d / "dspark.gguf", target4)[0].path
     return {
         "n-gram family": lambda: make_session(tiny_model_path, 2, "ngram-simple,ngram-map-k,ngram-map-k4v,ngram-mod,"
                                               "ngram-cache", **SMALL_MAPS),
@@ -39,6 +43,8 @@ def chains(tmp_path_factory, tiny_model_path, tiny_close_draft_path, tiny_other_
                                              draft_vocab=40),  # fewer rows than the vocabulary: tokens get seen
         "draft-mtp": lambda: make_session(mtp, 2, "draft-mtp"),
         "draft-eagle3": lambda: make_session(target4, 2, "draft-eagle3", head),
+        "draft-dflash": lambda: make_session(target4, 2, "draft-dflash", dflash, draft_max=4),
+        "draft-dspark": lambda: make_session(target4, 2, "ngram-mod,draft-dspark", dspark, draft_max=4),
         "suffix": lambda: make_session(tiny_model_path, 2, "suffix"),
         "draft-simple, another vocabulary": lambda: make_session(tiny_model_path, 2, "draft-simple",
                                                                  tiny_other_vocab_path),

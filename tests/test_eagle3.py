@@ -58,8 +58,11 @@ def heads(target_path, tmp_path_factory):
 
 
 def make_session(target_path, head_path, spec_types="draft-eagle3", n_seq=1, draft_max=4, **spec):
-    params = SpecParams(types=[t for t in spec_types.split(",") if t], draft_max=draft_max, draft_p_min=0.0,
-                        ngram_mod_n_match=3, ngram_mod_n_min=1, ngram_mod_n_max=8, **spec)
+    """A session on the tiny target with -md head_path (None: none): p-min 0 and short n-gram matches unless `spec`
+    says otherwise."""
+    params = SpecParams(types=[t for t in spec_types.split(",") if t], draft_max=draft_max,
+                        **{"draft_p_min": 0.0, "ngram_mod_n_match": 3, "ngram_mod_n_min": 1, "ngram_mod_n_max": 8,
+                           **spec})
     return open_session(EngineOptions(model=str(target_path), model_draft=str(head_path) if head_path else None,
                                       n_ctx=128 * n_seq, n_seq=n_seq, device="cpu", spec=params))
 

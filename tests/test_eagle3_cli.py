@@ -1,6 +1,6 @@
 """draft-eagle3 through the installed `spec-cli` script and the server: `draft-train --type eagle3` on a tiny model,
 then `speculative-simple -md head.gguf` (the type inferred from the file) equal to plain decoding; -md's kind decides
-the type (eagle3, a model with NextN layers, a plain model; DFlash a clear error); bad or foreign heads and -tp are
+the type (eagle3, dflash, a model with NextN layers, a plain model); bad or foreign heads and -tp are
 one-line errors with the project's exit codes; a bench sweep and a server with slots and per-request types run it."""
 
 from __future__ import annotations
@@ -11,15 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 from gguf import GGUFReader, GGUFWriter
 
-from spec_cli.errors import SpecCliError, UsageError
+from spec_cli.errors import UsageError
 from spec_cli.runtime.engine import EngineOptions, implied_spec
 from spec_cli.speculative.base import SpecParams
-from tests.server_harness import LiveServer, greedy_reference
-from tests.server_harness import make_session as server_session
+from tests.head_checks import bench_sweep, server_types
 from tests.tiny_eagle3 import rewritten, write_tiny_eagle3
 from tests.tiny_gguf import write_tiny_gguf
 from tests.tiny_mtp import write_tiny_mtp_gguf
@@ -88,8 +86,7 @@ def test_the_type_comes_from_the_draft_file(files, tmp_path):
     assert types(head) == ["draft-eagle3"] and types(target) == ["draft-simple"] and types(mtp) == ["draft-mtp"]
     assert types(head, ["ngram-mod"]) == ["ngram-mod", "draft-eagle3"]
     assert types(target, ["draft-mtp"]) == ["draft-mtp", "draft-simple"]  # the target's own head + a draft model
-    with pytest.raises(SpecCliError, match="DFlash draft.*not run draft-dflash yet"):
-        types(dflash)
+    assert types(dflash) == ["draft-dflash"]
     with pytest.raises(UsageError, match="is an EAGLE-3 draft"):
         types(head, ["draft-simple"])
     with pytest.raises(UsageError, match="is a draft model"):
@@ -125,32 +122,10 @@ def test_bad_heads_and_tp_are_one_line_errors(files, tmp_path):
 
 
 def test_a_bench_sweep_runs_draft_eagle3(files):
-    d, target, head, _ = files
-    prompts = d / "prompts.jsonl"
-    prompts.write_text(json.dumps({"id": "p", "prompt": PROMPT}) + "\n")
-    run = spec_cli("bench", "-m", str(target), "-md", str(head), "--spec-type", "draft-eagle3;ngram-mod,draft-eagle3",
-                   "--prompts", str(prompts), "-n", "16", "--draft-max", "2,auto", "-r", "1", "-t", "1", "-dev", "cpu",
-                   "--no-warmup", "-o", "jsonl")
-    assert run.returncode == 0, run.stderr
-    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    spec = [r for r in rows if r.get("spec_type") not in (None, "none")]
-    assert {r["spec_type"] for r in spec} == {"draft-eagle3", "ngram-mod,draft-eagle3"} and len(spec) == 4
-    assert all(r["model_draft"] for r in spec) and any(r["n_drafted"] > 0 for r in spec)
+    d, target, md, _ = files
+    bench_sweep(spec_cli, target, md, "draft-eagle3", d, PROMPT, "--draft-max", "2,auto")
 
 
 def test_server_slots_and_per_request_types(files):
-    _, target, head, _ = files
-    prompts = [PROMPT, "abc abc abc abc abc", "Hello world Hello world Hello world"]
-    ref = greedy_reference(target, prompts, 16)
-    session = server_session(target, n_seq=2, spec_types="ngram-mod,draft-eagle3", draft=head, draft_max=3)
-    with LiveServer(session) as srv:
-        for prompt in prompts:
-            for types in (None, ["draft-eagle3"], []):
-                body = {"prompt": prompt, "n_predict": 16, "temperature": 0, "return_tokens": True}
-                if types is not None:
-                    body["speculative"] = {"types": types}
-                out = httpx.post(srv.url + "/completion", json=body, timeout=120).json()
-                assert out["tokens"] == ref[prompt], (prompt, types)
-                assert out["generation_settings"]["speculative.types"] == (
-                    ["ngram-mod", "draft-eagle3"] if types is None else types)
-    assert session.chain.stats["draft-eagle3"].n_gen_tokens > 0
+    _, target, md, _ = files
+    server_types(target, md, "draft-eagle3", PROMPT)

@@ -6,9 +6,6 @@ T > 0); the training requests are none of the built-in prompt sets'."""
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import replace
-
 import numpy as np
 import pytest
 import torch
@@ -16,15 +13,18 @@ from gguf import GGUFReader, quants
 
 from spec_cli.model.loader import load_model
 from spec_cli.model.sampling import SamplingParams
-from spec_cli.runtime.generate import generate
 from spec_cli.text.prompt_sets import load_prompt_set
-from spec_cli.text.tokenizer import Tokenizer
 from spec_cli.train.eagle3 import Eagle3TrainConfig, train
-from spec_cli.train.eagle3_data import request_prompts
 from spec_cli.train.requests import all_requests, is_held_out
 from tests.draft_recorder import record_drafts
+from tests.head_checks import (
+    assert_it_learned,
+    assert_rejection_keeps_the_distribution,
+    n_accepted,
+    trained_and_untrained,
+    training_prompts,
+)
 from tests.test_eagle3 import make_session, reference_draft
-from tests.test_generate_sampling import exact_two_token_distribution
 from tests.tiny_eagle3 import N_HEAD, N_KV, TinyEagle3
 from tests.tiny_gguf import write_tiny_gguf
 
@@ -41,34 +41,17 @@ def target_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trained(target_path, tmp_path_factory):
     """(the trained head's path, its TrainResult, the training losses, the untrained head's path)."""
-    d = tmp_path_factory.mktemp("heads")
-    lm = load_model(target_path, device="cpu", dtype="f32")
-    losses = []
-    result = train(lm, d / "trained.gguf", CFG, lambda p: losses.append(p.info["loss"]) if p.stage == "train" else None)
-    untrained = train(lm, d / "untrained.gguf", replace(CFG, steps=0))
-    return result.out_path, result, losses, untrained.out_path
-
-
-def training_prompts(target_path, n: int) -> list[list[int]]:
-    tok = Tokenizer.from_metadata(load_model(target_path, device="cpu").gguf.metadata)
-    return request_prompts(tok, [r for r in all_requests() if not is_held_out(r)][:n], 16)
+    return trained_and_untrained(train, target_path, tmp_path_factory.mktemp("heads"), CFG)
 
 
 def test_training_lowers_the_loss_and_raises_the_held_out_acceptance(trained):
     _, result, losses, _ = trained
-    assert len(losses) == CFG.steps and np.mean(losses[-20:]) < 0.6 * np.mean(losses[:20])
-    assert result.acc_after > result.acc_before + 0.05 and result.mean_len_after > result.mean_len_before
-    assert result.out_path.with_suffix(".ckpt.pt").exists()
+    assert_it_learned(result, losses, CFG.steps)
 
 
 def test_the_trained_head_accepts_more_than_the_untrained_one(target_path, trained):
     path, _, _, untrained = trained
-    accepted = {}
-    for name, head in (("trained", path), ("untrained", untrained)):
-        session = make_session(target_path, head, draft_max=3)
-        accepted[name] = sum(generate(session.generator(), p, GREEDY, 24).n_accepted
-                             for p in training_prompts(target_path, 4))
-    assert accepted["trained"] > accepted["untrained"] + 4
+    assert n_accepted(make_session, target_path, path) > n_accepted(make_session, target_path, untrained) + 4
 
 
 def read_back(path, target_path) -> TinyEagle3:
@@ -135,18 +118,8 @@ def test_greedy_speculation_with_the_trained_head_equals_plain(target_path, trai
 
 def test_rejection_sampling_keeps_the_target_distribution(target_path, trained):
     """q = the head's distribution over its draft vocabulary mapped to target ids (0 elsewhere)."""
-    params = dict(temp=1.5, top_k=3, top_p=1.0, min_p=0.0)
     session = make_session(target_path, trained[0], verify="rejection", draft_max=3)
-    prompt = training_prompts(target_path, 1)[0]
-    exact = exact_two_token_distribution(session, prompt, SamplingParams(**params))
-    n, counts, accepted, drafted = 600, Counter(), 0, 0
-    for seed in range(n):
-        seq = generate(session.generator(), prompt, SamplingParams(seed=seed, ignore_eos=True, **params), 4)
-        counts[tuple(seq.tokens[len(prompt) : len(prompt) + 2])] += 1
-        accepted, drafted = accepted + seq.n_accepted, drafted + seq.n_drafted
-    tv = 0.5 * sum(abs(counts[k] / n - exact.get(k, 0.0)) for k in set(exact) | set(counts))
-    assert tv < 0.12, f"total variation {tv:.3f}"
-    assert drafted > 0 and 0 < accepted < drafted
+    assert_rejection_keeps_the_distribution(session, training_prompts(target_path, 1)[0])
 
 
 def test_training_requests_are_not_the_built_in_prompt_sets():

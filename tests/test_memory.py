@@ -17,6 +17,7 @@ from spec_cli.model.gguf_file import GGUFFile
 from spec_cli.runtime import memory
 from spec_cli.runtime.engine import EngineOptions, head_file
 from tests.server_harness import make_session
+from tests.tiny_dflash import write_tiny_dflash, write_tiny_dspark
 from tests.tiny_eagle3 import write_tiny_eagle3
 from tests.tiny_gguf import DIMS, write_tiny_gguf
 from tests.tiny_mtp import write_tiny_mtp_gguf
@@ -24,6 +25,8 @@ from tests.tiny_mtp import write_tiny_mtp_gguf
 SCRIPT = Path(sys.executable).with_name("spec-cli")
 N_LAYER = 2  # tiny_gguf's default
 Q8_0 = GGMLQuantizationType.Q8_0
+CASES = ["f32 target and draft", "q8_0 target and draft", "mtp head", "eagle3 head", "dflash head", "dspark head",
+         "dflash head, q8_0 target"]
 
 
 def kv_bytes(n_ctx: int, n_seq: int = 1, n_layer: int = N_LAYER) -> int:
@@ -35,16 +38,21 @@ def kv_bytes(n_ctx: int, n_seq: int = 1, n_layer: int = N_LAYER) -> int:
 def models(tmp_path_factory, tiny_model_path, tiny_draft_path):
     d = tmp_path_factory.mktemp("memory")
     target4 = write_tiny_gguf(d / "target4.gguf", arch="llama", seed=11, n_layer=4)
+    q8_target4 = write_tiny_gguf(d / "q8_target4.gguf", arch="llama", seed=11, n_layer=4, qtype=Q8_0)
     return {
         "f32 target and draft": (tiny_model_path, "draft-simple", tiny_draft_path),
         "q8_0 target and draft": (write_tiny_gguf(d / "q8.gguf", seed=0, qtype=Q8_0), "draft-simple",
                                   write_tiny_gguf(d / "q8d.gguf", seed=0, perturb=0.5, qtype=Q8_0)),
         "mtp head": (write_tiny_mtp_gguf(d / "mtp.gguf"), "draft-mtp", None),
         "eagle3 head": (target4, "draft-eagle3", write_tiny_eagle3(d / "head.gguf", target4).path),
+        "dflash head": (target4, "draft-dflash", write_tiny_dflash(d / "dflash.gguf", target4, n_draft=150).path),
+        "dspark head": (target4, "draft-dspark", write_tiny_dspark(d / "dspark.gguf", target4)[0].path),
+        "dflash head, q8_0 target": (q8_target4, "draft-dflash",
+                                     write_tiny_dflash(d / "q8_dflash.gguf", q8_target4).path),
     }
 
 
-@pytest.mark.parametrize("case", ["f32 target and draft", "q8_0 target and draft", "mtp head", "eagle3 head"])
+@pytest.mark.parametrize("case", CASES)
 def test_the_estimate_is_what_loading_takes(models, case):
     target, types, draft = models[case]
     session = make_session(target, 2, types, draft, n_ctx_slot=300)

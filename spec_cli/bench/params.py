@@ -27,7 +27,7 @@ from spec_cli.bench import DRAFT_MODEL_FIELDS, NGRAM_FIELDS, SWEPT_CASE_FIELDS
 from spec_cli.errors import UsageError
 from spec_cli.model.catalog import registry_entry
 from spec_cli.options import BENCH_OPTIONS, DEFAULT_GPU_LAYERS
-from spec_cli.runtime.draft_files import draft_kind
+from spec_cli.runtime.draft_files import HEAD_FILE_TYPES, draft_kind
 from spec_cli.speculative.synthetic import NAME as SYNTHETIC
 
 
@@ -202,8 +202,9 @@ def _spec_tests(p: BenchParams, model: str) -> list[Test]:
             values = dict(zip(SWEPT_CASE_FIELDS, case))
             types = chain_types(values["spec_type"])
             if "draft-simple" not in types:  # settings a chain does not read make no duplicate runs
-                # draft-eagle3 reads the -md file (and its device settings), not --draft-vocab
-                unread = ("draft_vocab",) if "draft-eagle3" in types else DRAFT_MODEL_FIELDS
+                # a head file's drafter (draft-eagle3, draft-dflash) reads -md (and its device settings), not
+                # --draft-vocab
+                unread = ("draft_vocab",) if set(types) & set(HEAD_FILE_TYPES) else DRAFT_MODEL_FIELDS
                 values.update({f: Test.__dataclass_fields__[f].default for f in unread})
             if "draft-mtp" not in types:
                 values["spec_mtp_rollback"] = Test.__dataclass_fields__["spec_mtp_rollback"].default

@@ -1,11 +1,13 @@
 """`spec-cli draft-train`: train a draft head on a frozen model; `mtp-train` is `draft-train --type mtp`.
 
   --type eagle3  an EAGLE-3 head in llama.cpp's eagle3 layout, a file of its own: `-md FILE` drafts with it
+  --type dflash  a DFlash block drafter in llama.cpp's dflash layout, a file of its own: `-md FILE` drafts with it
   --type mtp     a NextN (MTP) head for a model that has none, written as MODEL + head: `--spec-type mtp` drafts
 
 Examples:
   spec-cli draft-train --type eagle3 -m qwen2.5-coder-0.5b -o qwen05-eagle3.gguf
   spec-cli speculative-simple -m qwen2.5-coder-0.5b -md qwen05-eagle3.gguf -p "Write a haiku about rain." --temp 0
+  spec-cli draft-train --type dflash -m qwen2.5-coder-1.5b -o qwen15-dflash.gguf
   spec-cli draft-train --type mtp -m model.gguf -o out.gguf --steps 600 --resume
 """
 
@@ -20,16 +22,17 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from spec_cli.cli.options import with_options
 from spec_cli.cli.output import print_json, stderr
 from spec_cli.errors import UsageError
-from spec_cli.options import DRAFT_TRAIN, EAGLE3_TRAIN, MTP_TRAIN
+from spec_cli.options import DFLASH_TRAIN, DRAFT_TRAIN, EAGLE3_TRAIN, MTP_TRAIN
 
 if TYPE_CHECKING:
     from spec_cli.train.data import Progress as TrainProgress
     from spec_cli.train.loop import TrainResult
 
 
-@with_options(DRAFT_TRAIN, EAGLE3_TRAIN)
+@with_options(DRAFT_TRAIN, EAGLE3_TRAIN, DFLASH_TRAIN)
 def draft_train(opts: dict) -> None:
-    """Train a draft head on a frozen model: an EAGLE-3 head (-md FILE drafts with it) or an MTP head."""
+    """Train a draft head on a frozen model: an EAGLE-3 head or a DFlash drafter (-md FILE drafts with either), or an
+    MTP head."""
     train_head(opts["kind"], opts)
 
 
@@ -45,7 +48,7 @@ def train_head(kind: str, opts: dict) -> None:
 
     from spec_cli.model.loader import cpu_bf16_is_fast, load_model, torch_device
     from spec_cli.runtime.engine import resolve
-    from spec_cli.train import eagle3, mtp
+    from spec_cli.train import dflash, eagle3, mtp
 
     cfg = _config(kind, opts)
     if opts["threads"]:
@@ -53,14 +56,15 @@ def train_head(kind: str, opts: dict) -> None:
     stderr.print(f"loading {opts['model'] or 'the default model'} ...")
     fast_bf16 = torch_device(opts["device"]).type != "cpu" or cpu_bf16_is_fast()
     # MTP: the target provides features, hundreds of rows per forward: bf16 where the hardware multiplies it natively
-    # (CUDA, AVX512-BF16/AMX CPUs: ~4x float32's speed there), else float32. EAGLE-3: the target mostly generates
-    # its answers, a few dozen rows per decode, where its quantized weights run 2-5x faster than bf16 on the CPU
-    # (and give the features and choices of the target as it runs); bf16 on CUDA
-    dtype = "auto" if kind == "eagle3" else "bf16" if fast_bf16 else "f32"
+    # (CUDA, AVX512-BF16/AMX CPUs: ~4x float32's speed there), else float32. EAGLE-3 and DFlash: the target mostly
+    # generates its answers, a few dozen rows per decode, where its quantized weights run 2-5x faster than bf16 on
+    # the CPU (and give the features and choices of the target as it runs); bf16 on CUDA
+    dtype = "bf16" if kind == "mtp" and fast_bf16 else "f32" if kind == "mtp" else "auto"
     loaded = load_model(resolve(opts["model"]), opts["device"], dtype=dtype)
+    trainer = {"eagle3": eagle3.train, "dflash": dflash.train}.get(kind)
     with progress_bars() as report:
-        if kind == "eagle3":
-            result = eagle3.train(loaded, opts["output"], cfg, report, resume=opts["resume"], bf16=fast_bf16)
+        if trainer is not None:
+            result = trainer(loaded, opts["output"], cfg, report, resume=opts["resume"], bf16=fast_bf16)
         else:
             result = mtp.train(loaded, opts["output"], cfg, report, resume=opts["resume"])
     if opts["json_output"]:
@@ -70,17 +74,20 @@ def train_head(kind: str, opts: dict) -> None:
 
 
 def _config(kind: str, opts: dict):
-    """The type's training settings: its defaults, overridden by the flags given."""
+    """The type's training settings: its defaults, overridden by the flags given (a flag of another type's is a
+    usage error)."""
+    from spec_cli.train.dflash import DFlashTrainConfig
     from spec_cli.train.eagle3 import Eagle3TrainConfig
     from spec_cli.train.mtp import TrainConfig
 
-    cls = Eagle3TrainConfig if kind == "eagle3" else TrainConfig
-    given = {f: opts[f] for f in cls.__dataclass_fields__ if opts.get(f) is not None}
-    if kind != "eagle3":
-        for o in EAGLE3_TRAIN[1]:
-            if opts.get(o.name) is not None:
-                raise UsageError(f"{o.flags[0]} applies to --type eagle3 only")
-    cfg = cls(**given)
+    configs = {"eagle3": Eagle3TrainConfig, "dflash": DFlashTrainConfig, "mtp": TrainConfig}
+    cls = configs[kind]
+    for o in (*DRAFT_TRAIN[1], *EAGLE3_TRAIN[1], *DFLASH_TRAIN[1]):
+        if opts.get(o.name) is not None and o.name not in cls.__dataclass_fields__ and o.name != "kind":
+            owners = [k for k, c in configs.items() if o.name in c.__dataclass_fields__]
+            if owners:
+                raise UsageError(f"{o.flags[0]} applies to --type {' and '.join(owners)} only")
+    cfg = cls(**{f: opts[f] for f in cls.__dataclass_fields__ if opts.get(f) is not None})
     if cfg.gen_tokens > cfg.data_tokens:
         raise UsageError(f"--gen-tokens ({cfg.gen_tokens}) must be at most --data-tokens ({cfg.data_tokens})")
     return cfg

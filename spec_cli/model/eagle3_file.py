@@ -9,24 +9,33 @@ from __future__ import annotations
 from pathlib import Path
 
 import gguf
-import gguf.quants
-import numpy as np
 import torch
-from torch import nn
 
 from spec_cli.errors import SpecCliError
 from spec_cli.model.config import ModelConfig
 from spec_cli.model.eagle3_head import N_FEATURES, Eagle3Head, Eagle3Layout
 from spec_cli.model.gguf_file import GGUFFile, copy_fields
+from spec_cli.model.head_file import (
+    D2T_NAMES,
+    add_d2t,
+    add_weight,
+    check_layers,
+    check_loaded,
+    check_shared,
+    check_vocabularies,
+    finish,
+    load_into,
+    metadata_key,
+    read_config,
+    read_d2t,
+)
 from spec_cli.model.loader import LoadedModel
-from spec_cli.model.qlinear import QLinear, fuse_attention_ffn, supports
-from spec_cli.model.quants import load_tensor
-from spec_cli.model.transformer import Embedding, Linear, RMSNorm
+from spec_cli.model.qlinear import fuse_attention_ffn
+from spec_cli.model.transformer import Embedding
 
 ARCH = "eagle3"
 LAYER_KEYS = (f"{ARCH}.target_layers", f"{ARCH}.extract_layers")  # llama.cpp's, then the PR branches'
 HIDDEN_NORMS = ("blk.0.attn_norm_2.weight", "blk.0.hidden_norm.weight")
-D2T_NAMES = ("d2t", "d2t.weight")
 # GGUF tensor -> attribute path in Eagle3Head (the hidden norm and d2t are read under any of their names above)
 TENSORS = {
     "fc.weight": "fc.weight",
@@ -55,30 +64,13 @@ def read_layout(gf: GGUFFile, n_vocab: int) -> tuple[ModelConfig, Eagle3Layout]:
     """The head's ModelConfig (n_embd H; n_vocab = the target's: its rows take target token ids) and the eagle3
     keys, checked for presence and form."""
     name = gf.path.name
-
-    def key(k: str, default=None):
-        value = gf.get(f"{ARCH}.{k}", default)
-        if value is None:
-            raise SpecCliError(f"{name}: metadata key {ARCH}.{k} is missing (not an EAGLE-3 draft in llama.cpp's "
-                               "layout)")
-        return value
-
+    key = metadata_key(gf, "an EAGLE-3 draft")
     layers = next((gf.get(k) for k in LAYER_KEYS if gf.get(k) is not None), None)
     if not isinstance(layers, list) or len(layers) != N_FEATURES:
         raise SpecCliError(f"{name}: {LAYER_KEYS[0]} must list {N_FEATURES} target layers (got {layers!r})")
     if int(key("block_count", 1)) != 1:
         raise SpecCliError(f"{name}: an EAGLE-3 draft has one decoder block, this file {key('block_count')}")
-    H, n_head = int(key("embedding_length")), int(key("attention.head_count"))
-    head_dim = int(key("attention.key_length", H // n_head))
-    scaling = gf.get(f"{ARCH}.rope.scaling.type", "none")
-    cfg = ModelConfig(
-        arch=ARCH, n_layer=1, n_embd=H, n_ff=int(key("feed_forward_length")), n_head=n_head,
-        n_head_kv=int(key("attention.head_count_kv", n_head)), head_dim=head_dim, n_vocab=n_vocab,
-        n_ctx_train=int(key("context_length", 4096)), rms_eps=float(key("attention.layer_norm_rms_epsilon")),
-        rope_type="norm", rope_dim=int(key("rope.dimension_count", head_dim)),
-        rope_base=float(key("rope.freq_base", 10000.0)), rope_base_swa=float(key("rope.freq_base", 10000.0)),
-        rope_scale=float(key("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0,
-        attn_scale=head_dim ** -0.5, sliding_window=0, swa_layers=[False])
+    cfg = read_config(gf, key, 1, n_vocab, "norm")
     layout = Eagle3Layout(
         target_layers=tuple(int(v) for v in layers), target_hidden=int(key("target_hidden_size")),
         norm_before_residual=bool(gf.get(f"{ARCH}.norm_before_residual", False)),
@@ -100,7 +92,7 @@ def load_eagle3_head(path: str | Path | GGUFFile, target: LoadedModel,
     check_target(gf.path.name, cfg, layout, tcfg, gf)
     names = _tensor_names(gf)
     own = {part for part, tensor in (("output", "output.weight"), ("embed", "token_embd.weight")) if tensor in names}
-    d2t = read_d2t(gf, layout, tcfg.n_vocab)
+    d2t = read_d2t(gf, tcfg.n_vocab, offsets_first=layout.pr_branch)
     n_draft = gf.tensors["output.weight"].shape[0] if "output.weight" in names else None
     with torch.device("meta"):
         head = Eagle3Head(cfg, layout, target.model, own, n_draft)
@@ -108,7 +100,7 @@ def load_eagle3_head(path: str | Path | GGUFFile, target: LoadedModel,
         head.device = device
     quantize = target.weights == "q" and head.device.type == "cpu"
     for gguf_name, path_in_head in names.items():
-        _load_into(head, gf, gguf_name, path_in_head, quantize)
+        load_into(head, gf, gguf_name, path_in_head, quantize)
     _check_shapes(head, gf.path.name, d2t)
     if quantize:
         fuse_attention_ffn(head.attn, head.ffn)
@@ -121,15 +113,8 @@ def check_target(name: str, cfg: ModelConfig, layout: Eagle3Layout, tcfg: ModelC
     if layout.target_hidden != tcfg.n_embd:
         raise SpecCliError(f"{name}: made for a target of hidden size {layout.target_hidden}; this target's is "
                            f"{tcfg.n_embd}")
-    bad = [layer for layer in layout.target_layers if not 0 <= layer <= tcfg.n_layer_main]
-    if bad:
-        raise SpecCliError(f"{name}: reads target layers {list(layout.target_layers)}; this target has "
-                           f"{tcfg.n_layer_main} layers")
-    shared = [t for t, own in (("embedding", "token_embd.weight"), ("output matrix", "output.weight"))
-              if own not in gf.tensors]
-    if shared and cfg.n_embd != tcfg.n_embd:
-        raise SpecCliError(f"{name}: uses the target's {' and '.join(shared)} but its hidden size {cfg.n_embd} is "
-                           f"not the target's {tcfg.n_embd}")
+    check_layers(name, layout.target_layers, tcfg.n_layer_main)
+    check_shared(name, gf, cfg.n_embd, tcfg.n_embd)
     vocab = gf.get(f"{ARCH}.vocab_size")
     draft_rows = gf.tensors["output.weight"].shape[0] if "output.weight" in gf.tensors else None
     if vocab is not None and int(vocab) not in (tcfg.n_vocab, draft_rows):  # some converters write the draft's
@@ -149,81 +134,20 @@ def _tensor_names(gf: GGUFFile) -> dict[str, str]:
     return names
 
 
-def read_d2t(gf: GGUFFile, layout: Eagle3Layout, n_vocab: int) -> list[int] | None:
-    """The target id of each draft-vocabulary row. llama.cpp's converter stores absolute ids; files of the PR
-    branches stored offsets (target = i + d2t[i]); a table only one reading makes valid (distinct ids in the
-    vocabulary) is read that way, the PR-branch names decide where both do."""
-    name = next((n for n in D2T_NAMES if n in gf.tensors), None)
-    if name is None:
-        return None
-    info = gf.tensors[name]
-    dtype = {27: torch.int64, 26: torch.int32}.get(int(info.qtype))  # GGML I64, I32
-    if dtype is None or len(info.shape) != 1:
-        raise SpecCliError(f"{gf.path.name}: {name} must be a vector of int64 ids (got {info.qtype.name} "
-                           f"{list(info.shape)})")
-    values = gf.tensor_bytes(name).view(dtype).long()
-    readings = {"absolute": values, "offsets": values + torch.arange(len(values))}
-    valid = [k for k, ids in readings.items()
-             if len(ids) and int(ids.min()) >= 0 and int(ids.max()) < n_vocab and len(ids.unique()) == len(ids)]
-    if not valid:
-        raise SpecCliError(f"{gf.path.name}: {name} maps draft rows to ids outside the target's {n_vocab}-token "
-                           "vocabulary (or to the same id twice)")
-    chosen = "offsets" if layout.pr_branch and "offsets" in valid else valid[0]
-    return readings[chosen].tolist()
-
-
-def _load_into(head: Eagle3Head, gf: GGUFFile, name: str, path: str, quantize: bool) -> None:
-    """One tensor into the head: norms and rope factors float32, linear weights in the head's dtype, or as QLinear
-    blocks (`quantize`: the file's quantized blocks, float matrices quantized to Q8_0)."""
-    info = gf.tensors[name]
-    if path == "rope_freqs":
-        head.rope_freqs = load_tensor(gf, name)
-        return
-    if path == "embed.weight":
-        head.embed.weight = load_tensor(gf, name, head.device).to(head.dtype)
-        return
-    module_path = path.rpartition(".")[0]
-    parent, _, attr = module_path.rpartition(".")
-    owner = head.get_submodule(parent)
-    module = getattr(owner, attr)
-    if isinstance(module, Linear) and quantize and supports(info.qtype, info.shape):
-        float_type = info.qtype.name in ("F32", "F16", "BF16")
-        linear = (QLinear.from_float(load_tensor(gf, name)) if float_type
-                  else QLinear.from_gguf(gf.tensor_bytes(name), info.qtype, info.shape))
-        setattr(owner, attr, linear)
-        return
-    t = load_tensor(gf, name, head.device)
-    module.weight = nn.Parameter(t if isinstance(module, RMSNorm) else t.to(head.dtype), requires_grad=False)
-
-
 def _check_shapes(head: Eagle3Head, name: str, d2t: list[int] | None) -> None:
     """Every tensor the layout requires is there, with the shape the keys imply."""
-    missing = [n for n, p in head.named_parameters() if p.is_meta]
-    if missing:
-        raise SpecCliError(f"{name}: missing tensors for {', '.join(missing)}")
     cfg, H, Ht = head.cfg, head.cfg.n_embd, head.layout.target_hidden
     n_q, n_kv = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
-    expected = {"fc": (H, N_FEATURES * Ht), "attn.wq": (n_q, 2 * H), "attn.wk": (n_kv, 2 * H),
+    matrices = {"fc": (H, N_FEATURES * Ht), "attn.wq": (n_q, 2 * H), "attn.wk": (n_kv, 2 * H),
                 "attn.wv": (n_kv, 2 * H), "attn.wo": (H, n_q), "ffn.w_gate": (cfg.n_ff, H), "ffn.w_up": (cfg.n_ff, H),
                 "ffn.w_down": (H, cfg.n_ff)}
     if head.output is not None:
-        expected["output"] = (len(d2t) if d2t is not None else cfg.n_vocab, H)
-    for path, shape in expected.items():
-        module = head.get_submodule(path)
-        got = (module.n_out, module.n_in) if isinstance(module, QLinear) else tuple(module.weight.shape)
-        if got != shape:
-            raise SpecCliError(f"{name}: {path} has shape {list(got)}, {list(shape)} expected from the file's keys")
+        matrices["output"] = (len(d2t) if d2t is not None else cfg.n_vocab, H)
     norms = {"attn_norm": H, "hidden_norm": H, "ffn_norm": H, "out_norm": H}
     if head.fc_norm is not None:
         norms["fc_norm"] = N_FEATURES * Ht
-    for path, n in norms.items():
-        weight = head.get_submodule(path).weight
-        if tuple(weight.shape) != (n,):
-            raise SpecCliError(f"{name}: norm {path} has {weight.shape[0]} weights, {n} expected")
-    if head.embed is not None and tuple(head.embed.weight.shape) != (cfg.n_vocab, H):
-        raise SpecCliError(f"{name}: token_embd must be [{cfg.n_vocab}, {H}] (the target's vocabulary)")
-    if head.output is None and d2t is not None and len(d2t) != cfg.n_vocab:
-        raise SpecCliError(f"{name}: d2t has {len(d2t)} rows but the head uses the target's output matrix")
+    check_loaded(head, name, matrices, norms)
+    check_vocabularies(head, name, d2t)
 
 
 def write_eagle3_gguf(head: Eagle3Head, target_path: str | Path, dst: str | Path,
@@ -253,19 +177,7 @@ def write_eagle3_gguf(head: Eagle3Head, target_path: str | Path, dst: str | Path
             owner = getattr(owner, part, None)
         if owner is None or isinstance(owner, Embedding):
             continue  # rope_freqs, the parts the head has not, and the embedding (the target's)
-        arr = owner.weight.detach().float().cpu().numpy()
-        block = gguf.GGML_QUANT_SIZES[qtype][0]
-        if arr.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
-        elif qtype == gguf.GGMLQuantizationType.F16 or arr.shape[1] % block:
-            writer.add_tensor(name, arr.astype(np.float16))
-        else:
-            writer.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
-    if head.draft_vocab is not None:
-        writer.add_tensor(D2T_NAMES[0], head.draft_vocab.cpu().numpy().astype(np.int64),
-                          raw_dtype=gguf.GGMLQuantizationType.I64)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        add_weight(writer, name, owner.weight, qtype)
+    add_d2t(writer, head.draft_vocab)
+    finish(writer)
     return Path(dst)

@@ -30,14 +30,15 @@ from torch import nn
 
 from spec_cli.model import kernels
 from spec_cli.model.config import ModelConfig
+from spec_cli.model.draft_head import TargetSharedHead
 from spec_cli.model.qlinear import QLinear
 from spec_cli.model.transformer import (
     Attention,
-    Embedding,
     FeedForward,
     ForwardPlan,
     Linear,
     RMSNorm,
+    attend_on_kernels,
     rope_table,
     rope_tables,
 )
@@ -56,15 +57,15 @@ class Eagle3Layout:
     pr_branch: bool  # written by an early PR branch (its key and tensor names): d2t holds offsets there
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(TargetSharedHead):
     """The head's own parameters; the target's embedding and output matrix (where the file has none) are used
-    through a reference that is not a submodule (parameters() and state_dict() are the head's own)."""
+    through draft_head.TargetSharedHead."""
 
     def __init__(self, cfg: ModelConfig, layout: Eagle3Layout, target, own: set[str] = frozenset(),
                  n_draft: int | None = None):
-        super().__init__()
+        super().__init__(cfg, target, own, n_draft)
         H, Ht = cfg.n_embd, layout.target_hidden
-        self.cfg, self.layout = cfg, layout
+        self.layout = layout
         self.fc = Linear(N_FEATURES * Ht, H)
         self.fc_norm = RMSNorm(N_FEATURES * Ht, cfg.rms_eps) if layout.norm_before_fc else None
         self.attn_norm = RMSNorm(H, cfg.rms_eps)
@@ -75,13 +76,7 @@ class Eagle3Head(nn.Module):
         self.ffn_norm = RMSNorm(H, cfg.rms_eps)
         self.ffn = FeedForward(cfg)
         self.out_norm = RMSNorm(H, cfg.rms_eps)
-        self.output = Linear(H, n_draft or cfg.n_vocab) if "output" in own else None
-        self.embed = Embedding(cfg.n_vocab, H) if "embed" in own else None
         self.rope_freqs: torch.Tensor | None = None  # [rope_dim / 2] llama-3 rope scaling factors
-        self.draft_vocab: torch.Tensor | None = None  # [V_d] target id of each output row (d2t), None = row i is id i
-        object.__setattr__(self, "target", target)  # a model.Transformer: shared, frozen, not a submodule
-        self.device = target.layer_devices[-1] if target.layer_devices else torch.device("cpu")
-        self.dtype = target.dtype
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # --- forward -------------------------------------------------------------------------------------------
@@ -93,19 +88,15 @@ class Eagle3Head(nn.Module):
             x = self.fc_norm(x)
         return self.fc(x)
 
-    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        embd = self.embed if self.embed is not None else self.target.tok_embd
-        table = embd.weight if embd.weight is not None else embd.raw
-        return embd(tokens.to(table.device)).to(self.device, self.dtype)
-
     def forward(self, tokens: torch.Tensor, g: torch.Tensor, plan: ForwardPlan, rope, k_cache, v_cache):
         """tokens [G, T], g [G, T, H] (fused features, or the pre-norm states of the draft positions before) ->
         the pre-norm states h2 [G, T, H]; keys and values written to the caches by the plan."""
         g = g.to(self.device, self.dtype)
         gn = self.hidden_norm(g)
         x = torch.cat((self.attn_norm(self.embed_tokens(tokens)), gn), dim=-1)  # [G, T, 2H]
-        if rope is None:  # a decode on the kernels (step): rope and attention there
-            a = self._attend_kernels(x, plan, k_cache, v_cache)
+        if rope is None:  # a decode on the kernels (step): rope and attention there (torch's SDPA on one row cost
+            # most of a draft token: 14 ms of 23 on the 0.5b's head)
+            a = attend_on_kernels(self.attn, x, plan, self.rope_table(plan.n_kv), k_cache, v_cache)
         else:
             a = self.attn(x, plan, rope, k_cache, v_cache)
         h = a + (gn if self.layout.norm_before_residual else g)
@@ -117,19 +108,6 @@ class Eagle3Head(nn.Module):
         if isinstance(self.attn.qkv, QLinear) and kernels.usable(g) and k_cache.dtype == torch.float32:
             return self(tokens, g, plan, None, k_cache, v_cache)
         return self(tokens, g, plan, self.rope(plan.positions, plan.n_kv), k_cache, v_cache)
-
-    def _attend_kernels(self, x: torch.Tensor, plan: ForwardPlan, k_cache, v_cache) -> torch.Tensor:
-        """The attention of rows x [G, T, 2H] as the decoder blocks' kernels compute it (kernels.qkv_prep: rope and
-        the cache writes; kernels.attention over the cache), one call each: torch's SDPA on one row cost most of a
-        draft token (14 ms of 23 on the 0.5b's head)."""
-        cfg, attn = self.cfg, self.attn
-        G, T, _ = x.shape
-        qkv = attn.qkv(x).reshape(G * T, -1)
-        q = kernels.qkv_prep(qkv, cfg.n_head, cfg.n_head_kv, cfg.head_dim, None, None, cfg.rms_eps,
-                             self.rope_table(plan.n_kv), cfg.rope_dim, False, plan.row_seq, plan.row_pos,
-                             plan.row_write, k_cache, v_cache)
-        out = kernels.attention(q, k_cache, v_cache, plan.row_seq, plan.row_pos, 0, cfg.attn_scale)
-        return attn.wo(out).view(G, T, -1)
 
     def rope_table(self, n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [>= n_pos, rope_dim / 2] float32 on the CPU: the shared table, or with rope_freqs the head's own
@@ -151,13 +129,6 @@ class Eagle3Head(nn.Module):
             return rope_tables(positions, n_pos, cfg.rope_dim, cfg.rope_base, cfg.rope_scale)
         cos, sin = (t.to(positions.device)[positions].unsqueeze(1) for t in self.rope_table(n_pos))
         return cos, sin
-
-    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] (pre-norm) -> logits [..., V_d] float32; row i is token draft_vocab[i] (i without one)."""
-        normed = self.out_norm(hidden.to(self.device))
-        out = self.output if self.output is not None else self.target.output
-        device = self.device if self.output is not None else self.target.output_device
-        return out(normed.to(device)).float()
 
     @property
     def target_layers(self) -> tuple[int, ...]:

@@ -150,14 +150,17 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(hd, cfg.rms_eps) if cfg.qk_norm else None
         self.qkv: nn.Module | None = None  # x -> (q, k, v) in one product, set in place of wq/wk/wv by qlinear
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., D] -> q [..., n_head * hd], k and v [..., n_head_kv * hd] (one product where fused)."""
+        if self.qkv is not None:
+            return self.qkv(x).split(self.qkv.sizes, dim=-1)
+        return self.wq(x), self.wk(x), self.wv(x)
+
     def forward(self, x, plan: ForwardPlan, rope, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         # x [G, T, D]; k_cache/v_cache [n_seq, kv_heads, n_ctx_seq, head_dim]
         cfg = self.cfg
         G, T, _ = x.shape
-        if self.qkv is not None:
-            q, k, v = self.qkv(x).split(self.qkv.sizes, dim=-1)
-        else:
-            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q, k, v = self.project(x)
         q = q.view(G, T, cfg.n_head, cfg.head_dim)
         k = k.view(G, T, cfg.n_head_kv, cfg.head_dim)
         v = v.view(G, T, cfg.n_head_kv, cfg.head_dim)
@@ -179,6 +182,24 @@ class Attention(nn.Module):
             enable_gqa=cfg.n_head != cfg.n_head_kv,
         )  # [G, H, T, hd]
         return self.wo(out.transpose(1, 2).reshape(G, T, cfg.n_head * cfg.head_dim))
+
+
+def attend_on_kernels(attn: Attention, x: torch.Tensor, plan: ForwardPlan, rope: tuple[torch.Tensor, torch.Tensor],
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, until: torch.Tensor | None = None) -> torch.Tensor:
+    """An attention (fused quantized q|k|v) over rows x [G, T, n_in] on the CPU kernels, one call each:
+    kernels.qkv_prep (per-head q/k norms, rope by the whole table `rope` indexed by row position, the cache writes of
+    the plan's rows), kernels.attention over the cache, then wo -> [G, T, D]. Row r attends to its sequence's keys
+    [0, until[r]] (default its own position: causal; a block drafter passes its block's last position)."""
+    cfg = attn.cfg
+    G, T, _ = x.shape
+    norm = lambda n: n.weight if n is not None else None  # noqa: E731
+    qkv = attn.qkv(x).reshape(G * T, -1)
+    q = kernels.qkv_prep(qkv, cfg.n_head, cfg.n_head_kv, cfg.head_dim, norm(attn.q_norm), norm(attn.k_norm),
+                         cfg.rms_eps, rope, cfg.rope_dim, cfg.rope_type == "neox", plan.row_seq, plan.row_pos,
+                         plan.row_write, k_cache, v_cache)
+    out = kernels.attention(q, k_cache, v_cache, plan.row_seq, plan.row_pos if until is None else until, 0,
+                            cfg.attn_scale)
+    return attn.wo(out).view(G, T, -1)
 
 
 def gelu_tanh(t: torch.Tensor) -> torch.Tensor:

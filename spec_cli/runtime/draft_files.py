@@ -1,39 +1,41 @@
 """What `-md FILE` names: the kind of draft the GGUF is (llama.cpp #26814: without --spec-type the type comes from the
-file's architecture) and the heads that load from it: an EAGLE-3 head, or the NextN (MTP) head of a model file
-that has one (`mtp-train`'s output).
+file's architecture) and the heads that load from it: an EAGLE-3 head, a DFlash (or DSpark) drafter, or the NextN
+(MTP) head of a model file that has one (`mtp-train`'s output).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from spec_cli.errors import SpecCliError, UsageError
 from spec_cli.model.config import ModelConfig
-from spec_cli.model.eagle3_file import is_eagle3, load_eagle3_head
-from spec_cli.model.eagle3_head import Eagle3Head
+from spec_cli.model.dflash_file import is_dflash, is_dspark
+from spec_cli.model.eagle3_file import is_eagle3
 from spec_cli.model.gguf_file import GGUFFile
 from spec_cli.model.loader import LoadedModel, torch_device
 from spec_cli.model.mtp_head import MTPHead, load_mtp_head
 from spec_cli.speculative.vocab_bridge import require_same_vocabulary
 from spec_cli.text.tokenizer import Tokenizer
 
-MD_TYPES = ("draft-simple", "draft-eagle3", "draft-mtp")  # the spec types a -md file can be drafted with
-WHAT = {"draft-simple": "a draft model", "draft-eagle3": "an EAGLE-3 draft",
-        "draft-mtp": "a model with NextN (MTP) layers"}
+# the spec types a -md file can be drafted with; of them, those whose -md is a head file of its own (not a model)
+MD_TYPES = ("draft-simple", "draft-eagle3", "draft-dflash", "draft-dspark", "draft-mtp")
+HEAD_FILE_TYPES = ("draft-eagle3", "draft-dflash", "draft-dspark")
+WHAT = {"draft-simple": "a draft model", "draft-eagle3": "an EAGLE-3 draft", "draft-dflash": "a DFlash draft",
+        "draft-dspark": "a DSpark draft", "draft-mtp": "a model with NextN (MTP) layers"}
 
 
 def draft_kind(path: str | Path) -> str:
-    """The spec type a -md GGUF drafts with: an eagle3 file draft-eagle3, a model with NextN layers draft-mtp (its
-    head), any other model draft-simple; a DFlash draft is a clear error (not built)."""
+    """The spec type a -md GGUF drafts with: an eagle3 file draft-eagle3, a dflash file draft-dflash (draft-dspark
+    with DSpark's Markov head), a model with NextN layers draft-mtp (its head), any other model draft-simple."""
     gf = GGUFFile(path)
     arch = gf.architecture
     if is_eagle3(gf):
         return "draft-eagle3"
-    if arch == "dflash":
-        raise SpecCliError(f"{gf.path.name} is a DFlash draft (general.architecture = dflash): spec-cli does not run "
-                           "draft-dflash yet")
+    if is_dflash(gf):
+        return "draft-dspark" if is_dspark(gf) else "draft-dflash"
     if int(gf.get(f"{arch}.nextn_predict_layers", 0) or 0) > 0:
         return "draft-mtp"
     return "draft-simple"
@@ -56,11 +58,12 @@ def head_device(device: str | None, device_draft: str | None, n_gpu_layers_draft
     return torch.device("cpu") if n_gpu_layers_draft == 0 else dev
 
 
-def load_eagle3(path: str | Path, target: LoadedModel, tokenizer: Tokenizer, device: torch.device) -> Eagle3Head:
-    """The EAGLE-3 head of -md for this target, its vocabulary checked against the target's where the file carries
-    one."""
+def load_head(path: str | Path, target: LoadedModel, tokenizer: Tokenizer, device: torch.device,
+              loader: Callable) -> torch.nn.Module:
+    """The head of -md's head file for this target (`loader(gguf, target, device)`: an eagle3 or dflash file's),
+    its vocabulary checked against the target's where the file carries one."""
     gf = GGUFFile(path)
-    head = load_eagle3_head(gf, target, device)
+    head = loader(gf, target, device)
     if "tokenizer.ggml.tokens" in gf.metadata:
         require_same_vocabulary(tokenizer, Tokenizer.from_metadata(gf.metadata))
     return head

@@ -14,12 +14,15 @@ import torch
 
 from spec_cli.errors import UsageError
 from spec_cli.model.context import Context
+from spec_cli.model.dflash_file import load_dflash_head
+from spec_cli.model.dflash_head import DFlashContext
+from spec_cli.model.eagle3_file import load_eagle3_head
 from spec_cli.model.gguf_file import GGUFFile
 from spec_cli.model.head_context import HeadContext
 from spec_cli.model.loader import LoadedModel, load_model
 from spec_cli.options import DEFAULT_GPU_LAYERS, default
 from spec_cli.runtime import memory
-from spec_cli.runtime.draft_files import draft_kind, head_device, load_eagle3, load_mtp, md_type
+from spec_cli.runtime.draft_files import HEAD_FILE_TYPES, WHAT, draft_kind, head_device, load_head, load_mtp, md_type
 from spec_cli.speculative.base import SpecParams
 from spec_cli.speculative.verify_costs import CostModel
 from spec_cli.speculative.vocab_bridge import VocabBridge, vocab_bridge
@@ -56,7 +59,8 @@ class Engine:
     draft_ctx: Context | None = None
     mtp_ctx: HeadContext | None = None  # the target's NextN head with its own KV (draft-mtp)
     eagle3_ctx: HeadContext | None = None  # the EAGLE-3 head of -md with its own KV (draft-eagle3)
-    draft_file: Path | None = None  # the -md file the drafters read (a draft model, an EAGLE-3 head, an MTP model)
+    dflash_ctx: DFlashContext | None = None  # the DFlash drafter of -md with its own KV (draft-dflash, draft-dspark)
+    draft_file: Path | None = None  # the -md file the drafters read (a draft model, a head file, an MTP model)
     costs: CostModel = field(default_factory=CostModel)  # --draft-max auto: the target's verify cost, calibrated once
     draft_bridge: VocabBridge | None = None  # a draft model with another vocabulary than the target's
 
@@ -67,7 +71,8 @@ class Engine:
     @property
     def contexts(self) -> list[Context]:
         """Every KV cache the engine holds."""
-        return [ctx for ctx in (self.ctx, self.draft_ctx, self.mtp_ctx, self.eagle3_ctx) if ctx is not None]
+        return [ctx for ctx in (self.ctx, self.draft_ctx, self.mtp_ctx, self.eagle3_ctx, self.dflash_ctx)
+                if ctx is not None]
 
 
 def resolve(value: str | None) -> Path:
@@ -85,8 +90,8 @@ def verify_cost_cache() -> Path:
 
 def implied_spec(opts: EngineOptions) -> SpecParams:
     """The speculation settings the options amount to: -md adds the spec type of its file's kind (draft-simple for
-    a model, as -md alone did in llama.cpp #25345; draft-eagle3 for an eagle3 file; draft-mtp for a model with NextN
-    layers, llama.cpp #26814)."""
+    a model, as -md alone did in llama.cpp #25345; draft-eagle3 for an eagle3 file, draft-dflash for a dflash file;
+    draft-mtp for a model with NextN layers, llama.cpp #26814)."""
     spec = opts.spec
     if opts.model_draft:
         kind = md_type(spec.types, resolve(opts.model_draft))
@@ -94,9 +99,14 @@ def implied_spec(opts: EngineOptions) -> SpecParams:
             spec = replace(spec, types=[*spec.types, kind])
     elif "draft-simple" in spec.types:
         raise UsageError("--spec-type draft-simple needs a draft model (-md FILE|NAME)")
-    elif "draft-eagle3" in spec.types:
-        raise UsageError("--spec-type draft-eagle3 needs an EAGLE-3 draft (-md FILE, e.g. from spec-cli draft-train)")
+    for kind in HEAD_FILE_TYPES:
+        if kind in spec.types and not opts.model_draft:
+            raise needs_head_file(kind)
     return spec
+
+
+def needs_head_file(kind: str) -> UsageError:
+    return UsageError(f"--spec-type {kind} needs {WHAT[kind]} (-md FILE, e.g. from spec-cli draft-train)")
 
 
 def build_engine(opts: EngineOptions) -> Engine:
@@ -120,10 +130,11 @@ def build_engine(opts: EngineOptions) -> Engine:
 
 def head_file(opts: EngineOptions, target_file: GGUFFile) -> tuple[str, GGUFFile] | None:
     """The head the spec types load and the file it comes from: draft-mtp's NextN layers (-md's model file, else the
-    target's), draft-eagle3's -md file."""
+    target's), the -md head file of draft-eagle3, draft-dflash or draft-dspark."""
     md = resolve(opts.model_draft) if opts.model_draft else None
-    if "draft-eagle3" in opts.spec.types and md is not None:
-        return "draft-eagle3", GGUFFile(md)
+    kind = next((k for k in HEAD_FILE_TYPES if k in opts.spec.types), None)
+    if kind is not None and md is not None:
+        return kind, GGUFFile(md)
     if "draft-mtp" in opts.spec.types:
         return "draft-mtp", GGUFFile(md) if md and draft_kind(md) == "draft-mtp" else target_file
     return None
@@ -145,7 +156,7 @@ def load_target(opts: EngineOptions, target_file: GGUFFile | None = None) -> Loa
         return load_model(target_file or resolve(opts.model), opts.device, opts.n_gpu_layers, opts.dtype)
     if opts.n_gpu_layers != DEFAULT_GPU_LAYERS:
         raise UsageError("-tp puts every block on its rank's device: -ngl cannot be combined with it")
-    for kind in ("draft-mtp", "draft-eagle3"):
+    for kind in ("draft-mtp", *HEAD_FILE_TYPES):
         if kind in opts.spec.types:
             raise UsageError(f"--spec-type {kind} reads the target's hidden states, which -tp's shards do not "
                              "return")
@@ -162,19 +173,25 @@ def assemble_engine(opts: EngineOptions, target: LoadedModel, tokenizer: Tokeniz
     ctx = context_class(target)(target, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch, compile=opts.compile)
     # the draft context has the target's n_ctx (a smaller one crashed llama.cpp, #22554)
     draft_ctx = Context(draft, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch, compile=opts.compile) if draft else None
-    mtp_ctx = eagle3_ctx = None
+    mtp_ctx = None
     md = resolve(opts.model_draft) if opts.model_draft else None
     if "draft-mtp" in opts.spec.types:
         head = load_mtp(md if md and draft_kind(md) == "draft-mtp" else None, target)
         mtp_ctx = HeadContext(head, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
-    if "draft-eagle3" in opts.spec.types:
-        if md is None:
-            raise UsageError("--spec-type draft-eagle3 needs an EAGLE-3 draft (-md FILE, e.g. from spec-cli "
-                             "draft-train)")
-        head = load_eagle3(md, target, tokenizer, head_device(opts.device, opts.device_draft, opts.n_gpu_layers_draft))
-        eagle3_ctx = HeadContext(head, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
-    return Engine(target, tokenizer, ctx, draft, draft_ctx, mtp_ctx, eagle3_ctx, md, CostModel(verify_cost_cache()),
-                  draft_bridge)
+    heads = {}
+    for kind, loader in (("draft-eagle3", load_eagle3_head), ("draft-dflash", load_dflash_head),
+                         ("draft-dspark", load_dflash_head)):
+        if kind in opts.spec.types:
+            if md is None:
+                raise needs_head_file(kind)
+            device = head_device(opts.device, opts.device_draft, opts.n_gpu_layers_draft)
+            heads[kind] = load_head(md, target, tokenizer, device, loader)
+    block_head = heads.get("draft-dflash") or heads.get("draft-dspark")  # one file, one context for either
+    eagle3_ctx = (HeadContext(heads["draft-eagle3"], n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch)
+                  if "draft-eagle3" in heads else None)
+    dflash_ctx = DFlashContext(block_head, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch) if block_head else None
+    return Engine(target, tokenizer, ctx, draft, draft_ctx, mtp_ctx, eagle3_ctx, dflash_ctx, md,
+                  CostModel(verify_cost_cache()), draft_bridge)
 
 
 def context_class(loaded: LoadedModel) -> type[Context]:

@@ -6,11 +6,12 @@ Estimate, per GGUF tensor as model/loader.py holds it: on a CPU layer whose weig
 matrix of a block type the kernels multiply takes its file bytes (packed once for them), one of another block type
 float32 rows; any other matrix its elements times the float dtype's size (bf16 on CUDA, float32 on the CPU); the token
 embedding stays as stored wherever it lives; norms are float32. A head's matrices become Q8_0 on a CPU that
-keeps target weights in quantized blocks (as mtp_head.py and eagle3_file.py do). The draft model's draft vocabulary
-(--draft-vocab) adds its share of the output rows, twice (the rows copied out and the kernels' packed copy of them).
-KV caches are exact (Context: [layers] x K and V of kv_shape, in the activations' dtype; a head's one layer plus its
-feed of one n_embd row per cell). Free memory: MemAvailable of /proc/meminfo on the CPU, the driver's free bytes on a
-CUDA device.
+keeps target weights in quantized blocks (as mtp_head.py, eagle3_file.py and dflash_file.py do); a head's own
+embedding tables (token_embd, DSpark's markov_w1) are float rows. The draft model's draft vocabulary (--draft-vocab)
+adds its share of the output rows, twice (the rows copied out and the kernels' packed copy of them). KV caches are
+exact (Context: [layers] x K and V of kv_shape, in the activations' dtype; a one-layer head's plus its feed of one
+n_embd row per cell; a DFlash drafter's layers, no feed). Free memory: MemAvailable of /proc/meminfo on the CPU, the
+driver's free bytes on a CUDA device.
 
 Measured: every tensor the loaded modules hold, once (QLinear's packed copies, not the memory map they were made
 from; the embedding rows, which are read from it; a draft vocabulary's rows and their packed copy), and the contexts'
@@ -32,7 +33,8 @@ from spec_cli.errors import SpecCliError
 from spec_cli.model import kernels
 from spec_cli.model.config import ModelConfig
 from spec_cli.model.context import Context, kv_shape
-from spec_cli.model.eagle3_file import read_layout
+from spec_cli.model.dflash_file import read_layout as dflash_layout
+from spec_cli.model.eagle3_file import read_layout as eagle3_layout
 from spec_cli.model.gguf_file import GGUFFile, TensorInfo
 from spec_cli.model.head_context import HeadContext
 from spec_cli.model.loader import layer_devices, torch_device, weight_format
@@ -44,6 +46,11 @@ GIB = 1 << 30
 MIB = 1 << 20
 Q8_0_BYTES = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0][1] / GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0][0]
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
+INT_TYPES = (GGMLQuantizationType.I32, GGMLQuantizationType.I64)
+EMBEDDINGS = ("token_embd.weight", "markov_w1.weight")  # a head's own tables: float rows
+# the part of each head: the one-layer heads (HeadContext) and the DFlash drafter of either type (DFlashContext)
+HEAD_PARTS = {"draft-mtp": "mtp head", "draft-eagle3": "eagle3 head", "draft-dflash": "dflash head",
+              "draft-dspark": "dflash head"}
 
 
 @dataclass
@@ -122,26 +129,28 @@ def kept_quantized(gf: GGUFFile, where: Placement) -> bool:
 
 
 def head_part(name: str, tensors: list[TensorInfo], cfg: ModelConfig, device: torch.device, quantize: bool,
-              float_size: int, n_ctx: int, n_seq: int) -> Part:
-    """A one-layer head (HeadContext): its tensors, its KV and its feed, estimated."""
+              float_size: int, n_ctx: int, n_seq: int, feed: bool = True) -> Part:
+    """A head's tensors and KV, estimated: a one-layer head (HeadContext) one layer's KV and its feed; a DFlash
+    drafter (DFlashContext, `feed` False) the KV of its cfg.n_layer layers."""
     part = Part(name)
     for info in tensors:
-        if len(info.shape) < 2:
-            size = 4 * info.n_elements
-        elif quantize and device.type == "cpu":
+        if len(info.shape) < 2:  # norms float32, d2t's ids int64
+            size = (8 if info.qtype in INT_TYPES else 4) * info.n_elements
+        elif quantize and device.type == "cpu" and info.name not in EMBEDDINGS:
             size = min(info.n_bytes, int(info.n_elements * Q8_0_BYTES))
         else:
             size = info.n_elements * float_size
         part.weights[str(device)] += size
     n_seq_, _, cells, _ = kv_shape(cfg, n_ctx, n_seq)
-    part.kv[str(device)] += (2 * prod(kv_shape(cfg, n_ctx, n_seq)) + n_seq_ * cells * cfg.n_embd) * float_size
+    layers, feed_size = (1, n_seq_ * cells * cfg.n_embd) if feed else (cfg.n_layer, 0)
+    part.kv[str(device)] += (2 * layers * prod(kv_shape(cfg, n_ctx, n_seq)) + feed_size) * float_size
     return part
 
 
 def estimate(opts, target: GGUFFile, draft: GGUFFile | None, head: tuple[str, GGUFFile] | None) -> list[Part]:
     """The parts an engine of `opts` (runtime/engine.py EngineOptions) will hold: the target, the draft model
-    (`draft`, for draft-simple), a head (`head`: draft-mtp and the file holding its NextN layers, or draft-eagle3
-    and its file)."""
+    (`draft`, for draft-simple), a head (`head`: draft-mtp and the file holding its NextN layers, or draft-eagle3,
+    draft-dflash or draft-dspark and its -md file)."""
     cfg = ModelConfig.from_gguf(target)
     n_ctx = opts.n_ctx if opts.n_ctx > 0 else cfg.n_ctx_train
     where = Placement.of(cfg, opts.device, opts.n_gpu_layers, opts.dtype)
@@ -156,10 +165,11 @@ def estimate(opts, target: GGUFFile, draft: GGUFFile | None, head: tuple[str, GG
             prefix = f"blk.{cfg.n_layer_main}."
             tensors, hcfg, device = [i for n, i in gf.tensors.items() if n.startswith(prefix)], cfg, where.devices[-1]
         else:
-            tensors, hcfg = list(gf.tensors.values()), read_layout(gf, cfg.n_vocab)[0]
+            layout = eagle3_layout if kind == "draft-eagle3" else dflash_layout
+            tensors, hcfg = list(gf.tensors.values()), layout(gf, cfg.n_vocab)[0]
             device = head_device(opts.device, opts.device_draft, opts.n_gpu_layers_draft)
-        parts.append(head_part(kind.removeprefix("draft-") + " head", tensors, hcfg, device,
-                               kept_quantized(target, where), where.float_size, n_ctx, opts.n_seq))
+        parts.append(head_part(HEAD_PARTS[kind], tensors, hcfg, device, kept_quantized(target, where),
+                               where.float_size, n_ctx, opts.n_seq, feed=kind in ("draft-mtp", "draft-eagle3")))
     return parts
 
 
@@ -216,7 +226,8 @@ def measured(engine, drafters=()) -> dict[str, dict]:
                 for layer in d.vocab.layers():
                     own.update(held(layer, copies=True))
         parts["draft"] = (own, [engine.draft_ctx])
-    for name, ctx in (("mtp head", engine.mtp_ctx), ("eagle3 head", engine.eagle3_ctx)):
+    heads = (("mtp head", engine.mtp_ctx), ("eagle3 head", engine.eagle3_ctx), ("dflash head", engine.dflash_ctx))
+    for name, ctx in heads:
         if ctx is not None:
             parts[name] = ({k: v for k, v in held(ctx.head).items() if k not in seen}, [ctx])
     out = {name: {"devices": sorted({d for d, _ in tensors} | {str(c.device) for c in ctxs}),

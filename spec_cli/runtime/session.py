@@ -6,8 +6,8 @@
 
 A session owns what a configuration changes: the drafters the registry builds for its spec types (fresh, with
 empty n-gram state), the adaptive planner for --draft-max auto, and whether the target keeps its hidden states
-for the drafters that read them (draft-mtp, draft-eagle3). Sessions share their engine's KV caches, so one lives at a time; other
-settings mean a new session (`renew`), never an assignment into the engine.
+for the drafters that read them (draft-mtp, draft-eagle3, draft-dflash). Sessions share their engine's KV caches, so
+one lives at a time; other settings mean a new session (`renew`), never an assignment into the engine.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def build_chain(engine: Engine, spec: SpecParams, make_drafters: DrafterMaker | 
     model."""
     n_seq = engine.ctx.n_seq
     inputs = DrafterInputs(spec, n_seq, engine.ctx, engine.draft_ctx, engine.mtp_ctx, engine.eagle3_ctx,
-                           engine.draft_bridge)
+                           engine.dflash_ctx, engine.draft_bridge)
     drafters = make_drafters(inputs) if make_drafters is not None else build_drafters(spec.types, inputs)
     if not drafters:
         return None

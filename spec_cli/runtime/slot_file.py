@@ -1,9 +1,9 @@
 """Slot files: one sequence of a session saved to a file and restored, in this process or another one, so that it
 continues exactly as it would have: the target's KV cache, the tokens it holds and every drafter's state of it (the
-draft model's KV, the MTP / EAGLE-3 head's rows and features, the n-gram tables). llama-server's
-/slots/{id}?action=save|restore, whose restore loses the draft context (llama.cpp #28619). The adaptive planner keeps
-nothing per sequence (its estimates are the machine's and the drafters', shared by every sequence), so nothing of it
-is saved.
+draft model's KV, the MTP / EAGLE-3 head's rows and features, a DFlash drafter's injected keys and values, the n-gram
+tables). llama-server's /slots/{id}?action=save|restore, whose restore loses the draft context (llama.cpp #28619).
+The adaptive planner keeps nothing per sequence (its estimates are the machine's and the drafters', shared by every
+sequence), so nothing of it is saved.
 
 The format is numpy's .npz (a zip of .npy arrays), read without pickle and with every member stored, not compressed
 (a member cannot inflate past the file's own bytes). Members:

@@ -181,6 +181,9 @@ class Planner:
         self.probe_catch_up: dict[str, float] = {}  # seconds the last probe of a drafter caught up
         self.mirroring_price: dict[str, float] = {}  # its dearest mirroring (a prompt's): priced until measured
         self.unasked: set[str] = set()  # model drafters not asked yet: their first ask finds the prompt in cache
+        # drafters whose draft is one forward whatever its length (draft-dflash's block): their drafting is priced
+        # per call, shared by the sequences of the step, so only the verify cost and acceptance choose the length
+        self.per_call: frozenset[str] = frozenset()
 
     # --- planning -------------------------------------------------------------------------------------------
 
@@ -268,8 +271,9 @@ class Planner:
         asks that give a draft at all (a draft model stops below --draft-p-min and then gives none, but its seed
         row was paid for), (1 + y (E(k) - 1)) / ((y cost(n_seq (1 + k)) + (1 - y) cost(n_seq)) / n_seq + ask(k));
         0 unless that beats plain decoding (by ASK_MARGIN for a drafter that is not free). ask(k), the drafting
-        time per sequence, is k c for a model drafter (c: its seconds per drafted token) and 0 for a free one, as
-        its `cheap` flag promises; y then cancels: a free drafter is worth asking exactly where its draft pays for
+        time per sequence, is k c for a model drafter (c: its seconds per drafted token), c / n_seq for a per-call
+        (block) drafter (c: its seconds per call, shared by the step's sequences) and 0 for a free one, as its
+        `cheap` flag promises; y then cancels: a free drafter is worth asking exactly where its draft pays for
         its verify rows, E(k) / cost(1 + k) > 1 / cost(1), however seldom it drafts. Its lookups take 0.02-0.2 ms
         against a 0.5b forward's 14.5, but priced per token, their EMA (one call preempted for 7-30 ms on a busy
         machine included) counted k times on every ask against a gain that comes with 1 ask in y: ngram-mod,
@@ -280,7 +284,7 @@ class Planner:
         best_k, best = 0, (1.0 if free else 1.0 + ASK_MARGIN) / (plain / n_seq)
         for k in range(1, self.n_max + 1):
             verify = y * self.costs(n_seq * (1 + k)) + (1 - y) * plain
-            asking = 0.0 if free else k * self._draft_cost(name)
+            asking = 0.0 if free else self._draft_cost(name) * (1 / n_seq if name in self.per_call else k)
             rate = (1 + y * (expected_tokens(gains, k) - 1)) / (verify / n_seq + asking)
             if rate > best:
                 best_k, best = k, rate
@@ -320,8 +324,9 @@ class Planner:
     # --- learning -------------------------------------------------------------------------------------------
 
     def observe_drafting(self, name: str, seconds: float, n_tokens: int) -> None:
-        """One draft call of drafter `name` took `seconds` and produced `n_tokens` over all sequences."""
-        self.draft_costs.setdefault(name, DraftCost()).observe(seconds, n_tokens)
+        """One draft call of drafter `name` took `seconds` and produced `n_tokens` over all sequences (a per-call
+        drafter's price is the call's)."""
+        self.draft_costs.setdefault(name, DraftCost()).observe(seconds, 1 if name in self.per_call else n_tokens)
 
     def observe_catch_up(self, name: str, seconds: float) -> None:
         """Drafter `name` spent `seconds` bringing its cache up to date before drafting (its `catch_up`): a probe's

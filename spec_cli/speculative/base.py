@@ -116,6 +116,9 @@ class Drafter:
     # Drafting costs next to nothing (a lookup in the history). With --spec-select gain every cheap drafter proposes
     # and the best proposal wins; a drafter that pays a forward per drafted token is asked only where none proposed.
     cheap = True
+    # A draft costs one forward whatever its length (a block drafter): the planner prices its drafting per call, not
+    # per drafted token.
+    per_call = False
 
     def target_layers(self) -> tuple[int, ...]:
         """The target layers whose inputs process() reads for every decoded row (target features on request: id

@@ -30,6 +30,8 @@ class Chain:
         self.last: list[Drafter | None] = [None] * n_seq  # which drafter produced each sequence's current draft
         # --draft-max auto: what the planner learned about these drafters lives and resets with them
         self.planner = planner
+        if planner is not None:
+            planner.per_call = frozenset(d.name for d in drafters if d.per_call)
         self.select = select
         # per sequence, this step's drafts of drafters asked only to be scored (`draft`'s `shadow`), never verified
         self.shadows: dict[int, list[tuple[str, list[int]]]] = {}

@@ -12,10 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from spec_cli.model.context import Context
+from spec_cli.model.dflash_head import DFlashContext
 from spec_cli.model.head_context import HeadContext
 from spec_cli.options import add_drafter_type, drafter_types
 from spec_cli.speculative.base import Drafter, SpecParams
+from spec_cli.speculative.dflash import DFlashDrafter
 from spec_cli.speculative.draft_model import DraftModelDrafter
+from spec_cli.speculative.dspark import DSparkDrafter
 from spec_cli.speculative.eagle3 import Eagle3Drafter
 from spec_cli.speculative.mtp import MTPDrafter
 from spec_cli.speculative.ngram_cache import NgramCacheDrafter
@@ -36,6 +39,7 @@ class DrafterInputs:
     draft: Context | None = None  # the draft model's (-md), for draft-simple
     mtp: HeadContext | None = None  # the target's NextN head with its own KV, for draft-mtp
     eagle3: HeadContext | None = None  # the EAGLE-3 head (-md) with its own KV, for draft-eagle3
+    dflash: DFlashContext | None = None  # the DFlash drafter (-md) with its own KV, for draft-dflash / draft-dspark
     draft_bridge: VocabBridge | None = None  # the draft model's vocabulary to the target's, when they differ
 
 
@@ -48,6 +52,8 @@ _FACTORIES: dict[str, DrafterFactory] = {  # the built-in types of options.py, b
     "draft-simple": lambda inputs: DraftModelDrafter(inputs.draft, inputs.params, inputs.n_seq, inputs.draft_bridge),
     "draft-mtp": lambda inputs: MTPDrafter(inputs.mtp, inputs.target, inputs.params, inputs.n_seq),
     "draft-eagle3": lambda inputs: Eagle3Drafter(inputs.eagle3, inputs.target, inputs.params, inputs.n_seq),
+    "draft-dflash": lambda inputs: DFlashDrafter(inputs.dflash, inputs.target, inputs.params, inputs.n_seq),
+    "draft-dspark": lambda inputs: DSparkDrafter(inputs.dflash, inputs.target, inputs.params, inputs.n_seq),
 }
 
 

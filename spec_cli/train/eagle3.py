@@ -37,21 +37,17 @@ from spec_cli.model.eagle3_head import Eagle3Head, Eagle3Layout
 from spec_cli.model.loader import LoadedModel
 from spec_cli.model.quants import load_tensor
 from spec_cli.model.transformer import apply_rope
-from spec_cli.options import EAGLE3_TRAIN, EAGLE3_TRAIN_DEFAULTS, MTP_TRAIN
-from spec_cli.train.data import Progress, ProgressFn, cached
-from spec_cli.train.eagle3_data import UNKNOWN, Windows, build, draft_vocabulary
-from spec_cli.train.loop import Loop, TrainResult, window_batches
+from spec_cli.options import train_default
+from spec_cli.train.data import ProgressFn
+from spec_cli.train.eagle3_data import UNKNOWN, Windows, cached_windows, draft_vocabulary
+from spec_cli.train.loop import Loop, TrainResult, acceptance, train_and_estimate, window_batches
 
 STEP_DECAY = 0.8  # weight of training-time-test step j: 0.8^j
 RIDGE_ROWS = 16384  # positions the fc init is fitted on
 
 
 def _default(name: str):
-    """A training setting's default: the EAGLE-3 head's (spec_cli/options.py EAGLE3_TRAIN_DEFAULTS), else its
-    draft-train flag's."""
-    if name in EAGLE3_TRAIN_DEFAULTS:
-        return EAGLE3_TRAIN_DEFAULTS[name]
-    return next(o.default for _, group in (MTP_TRAIN, EAGLE3_TRAIN) for o in group if o.name == name)
+    return train_default("eagle3", name)
 
 
 @dataclass
@@ -137,11 +133,13 @@ def target_rows(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
     return load_tensor(loaded.gguf, name)[ids].contiguous()
 
 
-def fit_fc(train: Windows, ridge: float) -> torch.Tensor:
-    """fc weight [H, 3 H_t] = the ridge regression from feat_a to the target's final state at a + 1."""
+def fit_fc(train: Windows, ridge: float, shift: int = 1) -> torch.Tensor:
+    """fc weight [H, K H_t] = the ridge regression from feat_a (K tapped layers) to the target's final state at
+    a + shift."""
     rows = max(1, min(train.tokens.shape[0], RIDGE_ROWS // train.tokens.shape[1]))
-    x = train.features[:rows, :-1].flatten(2).reshape(-1, train.features[0, 0].numel()).double()
-    y = train.final[:rows, 1:].reshape(-1, train.final.shape[-1]).double()
+    T = train.tokens.shape[1]
+    x = train.features[:rows, : T - shift].flatten(2).reshape(-1, train.features[0, 0].numel()).double()
+    y = train.final[:rows, shift:].reshape(-1, train.final.shape[-1]).double()
     gram = x.T @ x
     reg = ridge * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype)
     return torch.linalg.solve(gram + reg, x.T @ y).T.float().contiguous()
@@ -228,7 +226,7 @@ def estimate(head: Eagle3Head, teacher: Teacher, held: Windows, cfg: Eagle3Train
     first, lengths = [], []
     with torch.no_grad():
         for b0 in range(0, held.tokens.shape[0], cfg.batch):
-            w = Windows(*(getattr(held, f)[b0 : b0 + cfg.batch] for f in Windows.__dataclass_fields__))
+            w = held.select(slice(b0, b0 + cfg.batch))
             T = w.tokens.shape[1]
             states = ttt_states(head, w.tokens, head.fuse(w.features.float()), n)
             rows = teacher.rows_of(w.top1)
@@ -237,8 +235,7 @@ def estimate(head: Eagle3Head, teacher: Teacher, held: Windows, cfg: Eagle3Train
             known = (w.top1[:, 1:] != UNKNOWN).unfold(1, n, 1)[:, : T - n].all(-1)  # every draft position chosen
             first.append(hits[..., 0][w.top1[:, 1 : T - n + 1] != UNKNOWN])
             lengths.append(hits.long().cumprod(-1).sum(-1)[known])
-    first, lengths = torch.cat(first).float(), torch.cat(lengths).float()
-    return (first.mean().item() if first.numel() else 0.0, 1.0 + lengths.mean().item() if lengths.numel() else 1.0)
+    return acceptance(first, lengths)
 
 
 # --- the whole run ---------------------------------------------------------------------------------------------
@@ -255,12 +252,7 @@ def train(loaded: LoadedModel, out_path: str | Path, cfg: Eagle3TrainConfig, pro
     layers = tuple(cfg.layers) if cfg.layers else default_layers(n_layer)
     if len(layers) != 3 or not all(0 <= layer <= n_layer for layer in layers):
         raise SpecCliError(f"--layers: three target layers in 0..{n_layer} (got {list(layers)})")
-    key = {**{k: v for k, v in asdict(cfg).items() if k in ("seq_len", "batch", "data_tokens", "gen_tokens",
-                                                              "eval_tokens", "seed")}, "layers": list(layers)}
-    data = cached(out_path.with_suffix(".features.pt"), key, resume, lambda: dict(zip(("train", "held"), (
-        asdict(w) for w in build(loaded, layers, cfg.seq_len, cfg.gen_tokens, cfg.data_tokens - cfg.gen_tokens,
-                                 cfg.eval_tokens, cfg.batch, cfg.seed, progress)))))
-    train_w, held = Windows(**data["train"]), Windows(**data["held"])
+    train_w, held = cached_windows(loaded, layers, cfg, out_path, resume, progress)
     d2t = draft_vocabulary(train_w.top1, loaded.config.n_vocab, cfg.draft_vocab)
     device = loaded.model.output_device
     head = init_head(loaded, train_w, layers, d2t, cfg, device)
@@ -269,16 +261,10 @@ def train(loaded: LoadedModel, out_path: str | Path, cfg: Eagle3TrainConfig, pro
                 config={**asdict(cfg), "layers": list(layers)})
     if resume:
         loop.resume()
-    before = estimate(head, teacher, held, cfg)
     windows = window_batches(train_w.tokens.shape[0], cfg.batch, cfg.seed)
-    select = lambda idx: Windows(*(getattr(train_w, f)[idx] for f in Windows.__dataclass_fields__))  # noqa: E731
-    losses = loop.run(lambda step: ttt_loss(head, teacher, select(windows(step)), cfg.ttt_steps, bf16), progress)
-    if progress:
-        progress(Progress("eval", 0, 1, {}))
-    after = estimate(head, teacher, held, cfg)
-    if progress:
-        progress(Progress("eval", 1, 1, {"acceptance": after[0], "mean_len": after[1]}))
+    result = train_and_estimate(
+        loop, lambda step: ttt_loss(head, teacher, train_w.select(windows(step)), cfg.ttt_steps, bf16),
+        lambda: estimate(head, teacher, held, cfg), progress, t0, out_path, train_w.n_tokens,
+        cfg.gen_tokens // cfg.seq_len * cfg.seq_len, held.n_tokens)
     write_eagle3_gguf(head, loaded.gguf.path, out_path)
-    return TrainResult(out_path, len(losses), train_w.n_tokens, cfg.gen_tokens // cfg.seq_len * cfg.seq_len,
-                       held.n_tokens, time.perf_counter() - t0, losses[0] if losses else None,
-                       losses[-1] if losses else None, before[0], after[0], before[1], after[1])
+    return result

@@ -9,7 +9,8 @@ take one cache-free forward. Held-out requests and held-out files give the accep
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -18,6 +19,7 @@ from spec_cli.text.tokenizer import Tokenizer
 from spec_cli.train.data import (
     Progress,
     ProgressFn,
+    cached,
     greedy_answers,
     is_held_out,
     stdlib_documents,
@@ -41,6 +43,11 @@ class Windows:
     @property
     def n_tokens(self) -> int:
         return self.tokens.numel()
+
+
+    def select(self, index) -> Windows:
+        """The windows at `index` (an index tensor, a slice)."""
+        return Windows(*(getattr(self, f)[index] for f in Windows.__dataclass_fields__))
 
 
 def join(parts: list[Windows]) -> Windows:
@@ -108,3 +115,16 @@ def draft_vocabulary(top1: torch.Tensor, n_vocab: int, size: int) -> list[int]:
         return list(range(n_vocab))
     counts = torch.bincount(top1[top1 != UNKNOWN], minlength=n_vocab)
     return sorted(torch.argsort(-counts, stable=True)[:size].tolist())
+
+
+def cached_windows(loaded: LoadedModel, layers: tuple[int, ...], cfg, out_path: Path, resume: bool,
+                   progress: ProgressFn | None) -> tuple[Windows, Windows]:
+    """The training and held-out windows of a trainer's settings (`cfg`: seq_len, batch, data_tokens, gen_tokens,
+    eval_tokens, seed) and tapped `layers`, kept next to the output (its name with .features.pt) and read back from
+    there on --resume with the same settings."""
+    key = {**{k: getattr(cfg, k) for k in ("seq_len", "batch", "data_tokens", "gen_tokens", "eval_tokens", "seed")},
+           "layers": list(layers)}
+    data = cached(out_path.with_suffix(".features.pt"), key, resume, lambda: dict(zip(("train", "held"), (
+        asdict(w) for w in build(loaded, layers, cfg.seq_len, cfg.gen_tokens, cfg.data_tokens - cfg.gen_tokens,
+                                 cfg.eval_tokens, cfg.batch, cfg.seed, progress)))))
+    return Windows(**data["train"]), Windows(**data["held"])

@@ -5,6 +5,7 @@ the end (the module, the optimizer, the schedule, the step: `--resume` continues
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -91,3 +92,31 @@ def window_batches(n_windows: int, batch: int, seed: int) -> Callable[[int], tor
     """step -> the indices of its `batch` windows: one shuffled order of all windows, gone through in turn."""
     order = torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed))
     return lambda step: order[(torch.arange(batch) + step * batch) % n_windows]
+
+
+Estimate = Callable[[], tuple[float, float]]  # -> held-out (first-position acceptance, mean acceptance length)
+
+
+def acceptance(first: list[torch.Tensor], lengths: list[torch.Tensor]) -> tuple[float, float]:
+    """An estimate from its parts: whether each first draft token was accepted, and how many tokens each whole
+    draft had accepted -> (first-position acceptance, mean acceptance length counting the target's own token)."""
+    first_t, lengths_t = torch.cat(first).float(), torch.cat(lengths).float()
+    return (first_t.mean().item() if first_t.numel() else 0.0,
+            1.0 + lengths_t.mean().item() if lengths_t.numel() else 1.0)
+
+
+def train_and_estimate(loop: Loop, batch_loss: BatchLoss, estimate: Estimate, progress: ProgressFn | None,
+                       t0: float, out_path: Path, train_tokens: int, gen_tokens: int,
+                       eval_tokens: int) -> TrainResult:
+    """A draft-train run of a head with a held-out acceptance estimate: the estimate, the steps, the estimate again
+    (reported as the `eval` stage); -> its TrainResult (seconds since t0)."""
+    before = estimate()
+    losses = loop.run(batch_loss, progress)
+    if progress:
+        progress(Progress("eval", 0, 1, {}))
+    after = estimate()
+    if progress:
+        progress(Progress("eval", 1, 1, {"acceptance": after[0], "mean_len": after[1]}))
+    return TrainResult(out_path, len(losses), train_tokens, gen_tokens, eval_tokens, time.perf_counter() - t0,
+                       losses[0] if losses else None, losses[-1] if losses else None, before[0], after[0], before[1],
+                       after[1])
