@@ -34,7 +34,6 @@ PROMPTS = [
     "fn main() {\n    let numbers = vec![1, 2, 3, 4, 5];\n",
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
 ]
-SPEC_FLAGS = {"none": [], "ngram-mod": ["--spec-type", "ngram-mod"], "ngram-simple": ["--spec-type", "ngram-simple"]}
 
 
 def free_port() -> int:
@@ -45,8 +44,8 @@ def free_port() -> int:
 
 def start_server(args, n_parallel: int, spec: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    flags = SPEC_FLAGS.get(spec)
-    if flags is None:  # "draft": the draft model given with --draft
+    flags = [] if spec == "none" else ["--spec-type", spec]
+    if spec == "draft":  # the draft model given with --draft
         if not args.draft:
             sys.exit("--spec draft needs --draft MODEL")
         flags = ["-md", args.draft, "--spec-type", "draft-simple"]
@@ -117,7 +116,7 @@ def main() -> None:
     ap.add_argument("--draft", help="draft model for --spec draft")
     ap.add_argument("--np", default="1,4,8", help="comma list of -np values")
     ap.add_argument("--clients", default="1,4,8", help="comma list of concurrent client counts")
-    ap.add_argument("--spec", default="none,ngram-mod", help="comma list: none, ngram-mod, ngram-simple, draft")
+    ap.add_argument("--spec", default="none,ngram-mod", help="comma list: none, draft, or a --spec-type (one drafter)")
     ap.add_argument("-n", type=int, default=64, help="tokens per request")
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
     ap.add_argument("--ctx-per-slot", type=int, default=1024)

@@ -200,7 +200,7 @@ dtype = choice(*DTYPES, aliases={"float32": "f32", "float16": "f16", "bfloat16":
 # command line says), each with its aliases. speculative/registry.py builds the drafters of these names; a type
 # registered there at run time (a plugin's) is appended by `add_drafter_type`.
 _DRAFTER_TYPES: dict[str, tuple[str, ...]] = {
-    "ngram-simple": (), "ngram-map-k": (), "ngram-map-k4v": (), "ngram-mod": (), "ngram-cache": (),
+    "ngram-simple": (), "ngram-map-k": (), "ngram-map-k4v": (), "ngram-mod": (), "ngram-cache": (), "suffix": (),
     "draft-simple": ("draft",), "draft-mtp": ("mtp",), "draft-eagle3": ("eagle3",), "draft-dflash": ("dflash",),
     "draft-dspark": ("dspark",),
 }
@@ -250,7 +250,7 @@ def spec_chain(value: str) -> str:
     return ",".join(spec_types(value))
 
 
-PROMPT_SETS = ("code-edit", "summarize", "qa", "writing", "chat")  # text/prompts/<name>.jsonl
+PROMPT_SETS = ("code-edit", "summarize", "qa", "writing", "chat", "agentic")  # text/prompts/<name>.jsonl
 
 
 def prompt_set(value: str) -> str:
@@ -258,6 +258,23 @@ def prompt_set(value: str) -> str:
     if value not in PROMPT_SETS and not Path(value).is_file():
         raise Invalid(f"a built-in set ({_words(PROMPT_SETS)}) or a .jsonl file")
     return value
+
+
+def spec_accept(value: str) -> str:
+    """bench --spec-accept: a conditional acceptance rate in [0, 1], or one per draft position joined by '/' (the
+    last one for the positions after it); kept as text, canonical ('0.90/0.8' -> '0.9/0.8'), for the rows."""
+    return "/".join(shown(r) for r in accept_rates(value))
+
+
+def accept_rates(text: str) -> list[float]:
+    """The rates of a --spec-accept value."""
+    try:
+        rates = [float(part) for part in str(text).split("/")]
+    except ValueError:
+        raise Invalid("a rate in [0, 1] or rates per draft position joined by / (0.9/0.8/0.6)") from None
+    if not all(0.0 <= r <= 1.0 for r in rates):
+        raise Invalid("rates in [0, 1]")
+    return rates
 
 
 def nonempty(value: str) -> str:
@@ -365,7 +382,16 @@ NO_EFFECT = {
 
 def _ngram(name: str, default: int, help: str, ge: int = 1) -> Opt:
     """A per-drafter n-gram setting: llama.cpp's flag is `--spec-` + the SpecParams field."""
-    return Opt(name, int, default, ("--spec-" + name.replace("_", "-"),), help, ge=ge)
+    return _drafter_setting(name, int, default, help, ge=ge)
+
+
+def _drafter_setting(name: str, annotation: Any, default: Any, help: str, **bounds) -> Opt:
+    """A setting of one drafter type, whose SpecParams field starts with the type's name: the flag is `--spec-` +
+    the field (bench sweeps these, and a chain without the type makes no runs of them)."""
+    return Opt(name, annotation, default, ("--spec-" + name.replace("_", "-"),), help, **bounds)
+
+
+SUFFIX_CACHE_TOKENS = 262144  # --spec-suffix-cache-tokens: 1 MiB of int32, a ~0.5 ms scan on a shared 2-core CPU
 
 
 SPEC = ("Speculative decoding", [
@@ -415,6 +441,16 @@ SPEC = ("Speculative decoding", [
     _ngram("ngram_mod_n_match", 24, "ngram-mod hashed n-gram length"),
     _ngram("ngram_mod_n_min", 48, "ngram-mod min draft length", ge=0),
     _ngram("ngram_mod_n_max", 64, "ngram-mod max draft length"),
+    _drafter_setting("suffix_max_depth", int, 24, "suffix: most tokens of pattern + draft (the suffix trees' depth, "
+                     "vLLM's suffix_decoding_max_tree_depth)", ge=2),
+    _drafter_setting("suffix_max_spec_factor", float, 1.0, "suffix: a draft is at most this many times as long as "
+                     "the pattern it matched (SuffixDecoding's max_spec_factor)", ge=0.0),
+    _drafter_setting("suffix_min_token_prob", float, 0.1, "suffix: a draft stops where its estimated probability "
+                     "(the product of continuation frequencies along it) falls below this (min_token_prob)",
+                     ge=0.0, le=1.0),
+    _drafter_setting("suffix_cache_tokens", int, SUFFIX_CACHE_TOKENS, "suffix: tokens of finished requests' outputs "
+                     "every slot and request drafts from (the global tree), the oldest request dropped first; 0 = "
+                     "each request's own prompt and output only", ge=0),
     Opt("lookup_cache_static", Optional[str], None, ("-lcs", "--lookup-cache-static"), "static n-gram cache file"),
     Opt("lookup_cache_dynamic", Optional[str], None, ("-lcd", "--lookup-cache-dynamic"), "dynamic n-gram cache file"),
 ])
@@ -448,6 +484,8 @@ def _swept(shared: str, **changes) -> Opt:
     return replace(OPTIONS[shared], sweep=True, **changes)
 
 
+DRAFTER_SETTINGS = ("ngram_", "suffix_")  # the prefixes of the model-free drafters' own settings (bench sweeps them)
+BENCH_SEED = 42  # bench -s: every run and every configuration sees the same inputs
 FLASH_ATTN = {"auto": -1, "-1": -1, "off": 0, "0": 0, "false": 0, "on": 1, "1": 1, "true": 1}  # llama-bench's -fa
 OUTPUT_FORMATS = ("md", "csv", "json", "jsonl", "sql", "none")  # bench -o / -oe (bench/printers.py)
 
@@ -494,15 +532,21 @@ BENCH = [
             split=None),
         Opt("prompt_set", str, "code-edit", ("--prompt-set",), f"built-in sets: {', '.join(PROMPT_SETS)}",
             parse=prompt_set, sweep=True),
+        Opt("spec_accept", str, None, ("--spec-accept",), "synthetic acceptance: tests of a synthetic drafter whose "
+            "drafts, of the planned lengths, the target accepts with these conditional rates per position (0.8, or "
+            "0.9/0.8/0.6: the last rate for the positions after it), built from the target's own greedy continuation "
+            "(spec_type synthetic; needs --temp 0)", metavar="P", parse=spec_accept, sweep=True),
         Opt("warm", bool, False, ("--warm",), "keep n-gram state across repetitions (default: cold)"),
         Opt("verify_cost", int, 0, ("--verify-cost",), "time target forwards of 1..K rows at each depth and print "
             "the break-even acceptance", metavar="K", ge=0),
         _swept("n_gpu_layers_draft"),
         _swept("device_draft"),
-        *(_swept(o.name) for o in SPEC[1] if o.name.startswith("ngram_")),
+        *(_swept(o.name) for o in SPEC[1] if o.name.startswith(DRAFTER_SETTINGS)),
     ]),
     ("Run and output", [
         Opt("repetitions", int, 5, ("-r", "--repetitions"), "repetitions per test", ge=1),
+        replace(OPTIONS["seed"], default=BENCH_SEED, ge=0, help="seed of the random tokens, of sampling and of "
+                "--spec-accept's draws"),
         Opt("output", str, "md", ("-o", "--output"), "md | csv | json | jsonl | sql (stdout)",
             parse=choice(*OUTPUT_FORMATS)),
         Opt("output_err", Optional[str], None, ("-oe", "--output-err"), "second format on stderr",

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_gguf import write_tiny_gguf
+from tests.tiny_gguf import write_other_vocab, write_tiny_gguf
 
 # Tiny models run fastest single-threaded (and a second thread only spins when the machine is busy);
 # the real-model tests ask for two (tests/test_parity.py).
@@ -40,6 +40,13 @@ def tiny_model_path(tmp_path_factory) -> Path:
 def tiny_draft_path(tmp_path_factory) -> Path:
     """Same vocabulary, different weights: a draft model that agrees with the target only sometimes."""
     return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny-draft.gguf", arch="llama", seed=0, perturb=0.5)
+
+
+@pytest.fixture(scope="session")
+def tiny_other_vocab_path(tmp_path_factory) -> Path:
+    """The target's weights over another vocabulary (tiny_gguf.write_other_vocab): a draft model drafting through the
+    tokens the two vocabularies share."""
+    return write_other_vocab(tmp_path_factory.mktemp("tiny") / "tiny-other-vocab.gguf")
 
 
 @pytest.fixture(scope="session")

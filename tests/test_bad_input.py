@@ -136,14 +136,14 @@ def test_server_refuses_an_empty_api_key(capsys, monkeypatch, tiny_model_path):
     assert_one_line_error(code, err, 2, "--api-key must be a key of printable characters")
 
 
-def test_incompatible_draft_vocabulary(capsys, monkeypatch, tmp_path, tiny_model_path):
+def test_a_draft_vocabulary_sharing_too_little(capsys, monkeypatch, tmp_path, tiny_model_path):
     from tests.tiny_gguf import write_tiny_gguf
 
     other = write_tiny_gguf(tmp_path / "othervocab.gguf", vocab_changes={"tokenizer.ggml.pre": "default",
-                                                                          "rename_token": 100})
+                                                                          "rename_tokens": range(5, 300)})
     code, _, err = cli(capsys, monkeypatch, "speculative-simple", "-m", str(tiny_model_path), "-md", str(other),
                        "-p", "hi", "-n", "2")
-    assert_one_line_error(code, err, 1, "not compatible", "token 100")
+    assert_one_line_error(code, err, 1, "not the target's (token 5 differs", "too few", "9 of its 304")
 
 
 def test_ngl_offloads_the_last_layers_like_llamacpp():

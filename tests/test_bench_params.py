@@ -145,6 +145,23 @@ def test_mtp_rollback_is_a_sweep_axis_of_chains_with_draft_mtp_only():
     assert got == [("ngram-simple", "partial"), ("draft-mtp", "partial"), ("draft-mtp", "reeval")]
 
 
+def test_suffix_settings_are_sweep_axes_of_chains_with_suffix_only():
+    p = params({"spec_type": ["ngram-mod;suffix"], "suffix_max_depth": ["16,32"],
+                "suffix_min_token_prob": ["0.1,0.3"], "n_gen": ["8"]})
+    got = [(i.test.spec_type, dict(i.test.ngram).get("suffix_max_depth"),
+            dict(i.test.ngram).get("suffix_min_token_prob")) for i in instances(p)][1:]
+    assert got == [("ngram-mod", None, None), ("suffix", 16, 0.1), ("suffix", 16, 0.3), ("suffix", 32, 0.1),
+                   ("suffix", 32, 0.3)]
+
+
+def test_synthetic_acceptance_adds_a_test_per_rate():
+    p = params({"spec_type": ["ngram-mod"], "spec_accept": ["0.9,0.50/0.2", "0.9"], "draft_max": ["4,auto"],
+                "n_gen": ["8"]})
+    got = [(i.test.spec_type, i.test.spec_accept, i.test.draft_max) for i in instances(p)][1:]
+    assert got == [("ngram-mod", None, 4), ("ngram-mod", None, "auto"), ("synthetic", "0.9", 4),
+                   ("synthetic", "0.9", "auto"), ("synthetic", "0.5/0.2", 4), ("synthetic", "0.5/0.2", "auto")]
+
+
 def test_from_flags_selects_test_kinds(tmp_path):
     plain = params({})
     assert plain.random_tests and not plain.speculative and plain.n_prompt == [512] and plain.n_gen == [128]

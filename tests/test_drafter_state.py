@@ -23,11 +23,12 @@ from tests.tiny_mtp import write_tiny_mtp_gguf
 
 GREEDY = SamplingParams(temp=0.0, ignore_eos=True)
 SMALL_MAPS = dict(ngram_map_k_size_n=2, ngram_map_k_size_m=8, ngram_map_k4v_size_n=2, ngram_map_k4v_size_m=8)
-CHAINS = ["n-gram family", "draft-simple", "draft-mtp", "draft-eagle3", "draft-dflash", "draft-dspark"]
+CHAINS = ["n-gram family", "draft-simple", "draft-mtp", "draft-eagle3", "draft-dflash", "draft-dspark", "suffix",
+          "draft-simple, another vocabulary"]
 
 
 @pytest.fixture(scope="module")
-def chains(tmp_path_factory, tiny_model_path, tiny_close_draft_path):
+def chains(tmp_path_factory, tiny_model_path, tiny_close_draft_path, tiny_other_vocab_path):
     """name -> a function opening a fresh two-sequence session of that chain."""
     d = tmp_path_factory.mktemp("states")
     mtp = write_tiny_mtp_gguf(d / "mtp.gguf")
@@ -44,6 +45,9 @@ def chains(tmp_path_factory, tiny_model_path, tiny_close_draft_path):
         "draft-eagle3": lambda: make_session(target4, 2, "draft-eagle3", head),
         "draft-dflash": lambda: make_session(target4, 2, "draft-dflash", dflash, draft_max=4),
         "draft-dspark": lambda: make_session(target4, 2, "ngram-mod,draft-dspark", dspark, draft_max=4),
+        "suffix": lambda: make_session(tiny_model_path, 2, "suffix"),
+        "draft-simple, another vocabulary": lambda: make_session(tiny_model_path, 2, "draft-simple",
+                                                                 tiny_other_vocab_path),
     }
 
 
@@ -53,7 +57,8 @@ def generate_on(session, seq: int, prompt: list[int], n: int, n_cached: int = 0)
     gen.start(seq, prompt, GREEDY, n, n_cached=n_cached)
     while not gen.active[seq].done:
         gen.step()
-    s = gen.active.pop(seq)
+    s = gen.active[seq]
+    gen.finish(seq)  # the drafters hear that the request ended (suffix keeps its output)
     return s.tokens, s.id_last, s.n_drafted, s.n_accepted
 
 

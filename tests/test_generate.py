@@ -25,8 +25,8 @@ N_PREDICT = 40
 SMALL = dict(ngram_simple_size_n=2, ngram_simple_size_m=8, ngram_map_k_size_n=2, ngram_map_k_size_m=8,
              ngram_map_k4v_size_n=2, ngram_map_k4v_size_m=8, ngram_mod_n_match=3, ngram_mod_n_min=1, ngram_mod_n_max=8)
 
-CHAINS = ["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "draft-simple",
-          "ngram-mod,draft-simple", "ngram-simple,ngram-cache,draft-simple"]
+CHAINS = ["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "suffix", "draft-simple",
+          "ngram-mod,draft-simple", "ngram-simple,ngram-cache,draft-simple", "suffix,draft-simple"]
 
 
 def make_session(model, spec_types: str = "", draft=None, n_seq: int = 1, draft_max: int = 6, **spec):
@@ -68,7 +68,7 @@ def test_greedy_speculation_equals_plain_one_sequence(tiny_model_path, tiny_draf
     assert_greedy_equals_plain(make_session(tiny_model_path, chain, draft=tiny_draft_path), plain_outputs)
 
 
-GAIN_CHAINS = ["ngram-simple,ngram-map-k,ngram-mod,ngram-cache", "ngram-simple,ngram-cache,draft-simple"]
+GAIN_CHAINS = ["ngram-simple,ngram-map-k,ngram-mod,ngram-cache,suffix", "ngram-simple,ngram-cache,draft-simple"]
 
 
 @pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "auto"])
@@ -86,7 +86,7 @@ def test_gain_selection_equals_plain_and_picks_among_proposals(tiny_model_path, 
         assert any(st.n_proposed > st.n_gen_drafts for st in stats if st.name != "draft-simple")
 
 
-@pytest.mark.parametrize("chain", ["ngram-mod", "draft-simple", "ngram-simple,ngram-cache,draft-simple"])
+@pytest.mark.parametrize("chain", ["ngram-mod", "suffix", "draft-simple", "ngram-simple,ngram-cache,draft-simple"])
 @pytest.mark.parametrize("defer_max", [draft_model.DEFER_MAX, 0])  # 0: the draft model catches up in process()
 @pytest.mark.parametrize("select", ["priority", "gain"])
 def test_greedy_speculation_equals_plain_four_sequences(tiny_model_path, tiny_draft_path, plain_outputs, chain,

@@ -88,8 +88,8 @@ def test_sweeps_parse_with_the_same_parsers():
 
 def test_drafter_types_are_the_registrys():
     """options.py holds --spec-type's names, aliases and priority order; the registry a factory for each."""
-    assert drafter_types()[:7] == ["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache",
-                                   "draft-simple", "draft-mtp"]
+    assert drafter_types()[:8] == ["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache",
+                                   "suffix", "draft-simple", "draft-mtp"]
     assert list(registry._FACTORIES) == drafter_types()
     assert spec_type_names()["mtp"] == "draft-mtp" and spec_type_names()["draft"] == "draft-simple"
     with pytest.raises(ValueError, match="taken"):

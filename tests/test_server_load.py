@@ -22,7 +22,9 @@ CLIENTS, REQUESTS = 16, 2
 CONFIGS = {
     "plain": dict(),
     "ngram-simple": dict(spec_types="ngram-simple"),
-    "draft-simple": dict(spec_types="draft-simple", draft=True),
+    "suffix": dict(spec_types="suffix"),  # one drafter, its earlier outputs shared by the 4 slots
+    "draft-simple": dict(spec_types="draft-simple", draft="same vocabulary"),
+    "draft-simple, another vocabulary": dict(spec_types="draft-simple", draft="another vocabulary"),
 }
 
 
@@ -32,15 +34,16 @@ def ref(tiny_model_path):
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_path, tiny_draft_path):
+def servers(tiny_model_path, tiny_draft_path, tiny_other_vocab_path):
     """Starts each -np 4 configuration on first use."""
     stack = ExitStack()
     started: dict[str, LiveServer] = {}
+    drafts = {"same vocabulary": tiny_draft_path, "another vocabulary": tiny_other_vocab_path}
 
     def get(name: str) -> LiveServer:
         if name not in started:
             cfg = dict(CONFIGS[name])
-            draft = tiny_draft_path if cfg.pop("draft", False) else None
+            draft = drafts.get(cfg.pop("draft", None))
             session = make_session(tiny_model_path, n_seq=4, draft=draft, **cfg)
             started[name] = stack.enter_context(LiveServer(session, ServerSettings(metrics=True, slots=True)))
         return started[name]

@@ -21,6 +21,11 @@ from tests.tiny_vocab import tiny_bpe_metadata
 T = GGMLQuantizationType
 DIMS = dict(n_embd=64, n_ff=128, n_head=4, n_head_kv=2, head_dim=16)
 K_DIMS = dict(n_embd=256, n_ff=512, n_head=4, n_head_kv=2, head_dim=64)  # every row a multiple of 256 values
+N_VOCAB = len(tiny_bpe_metadata()["tokenizer.ggml.tokens"])
+# another vocabulary for the tiny model's weights (write_other_vocab): every token at another id, and two tokens
+# without a counterpart in the tiny vocabulary: 119 ('w'), the tiny target's most frequent output token, and 281 ('Ġb')
+REVERSED = list(reversed(range(N_VOCAB)))
+RENAMED = [119, 281]
 
 # block types gguf.quants cannot quantize: byte offsets of a block's fp16 scales (d, then dmin where there is
 # one) and the dmin / d ratio that centres random codes (E[scale * code] / E[min] for uniform random bytes)
@@ -85,20 +90,30 @@ def write_tiny_gguf(
     vocab_changes: dict | None = None,
     dims: dict | None = None,
     qtype_overrides: dict[str, GGMLQuantizationType] | None = None,
+    token_order: list[int] | None = None,
 ) -> Path:
     """`perturb` > 0 adds that much relative noise (from another seed) to every weight: a draft model that
     agrees with the unperturbed target most of the time, not always (not for K block types: random blocks).
+    `token_order` (a permutation of the vocabulary) gives token id j to the token that had id token_order[j], its
+    embedding and output rows with it: the same model over a reordered vocabulary (another vocabulary, to a check
+    that compares ids).
     `dims` overrides entries of DIMS; `qtype_overrides` maps a tensor name suffix ("attn_v.weight",
     "output.weight", ...) to the block type of those matrices (as a Q4_K_M file mixes Q4_K and Q6_K)."""
     rng = np.random.default_rng(seed)
     noise = np.random.default_rng(seed + 1000)
     vocab = tiny_bpe_metadata()
     for key, value in (vocab_changes or {}).items():
-        if key == "rename_token":  # a different token text at this id: an incompatible vocabulary
+        if key == "rename_tokens":  # other token texts at these ids: another vocabulary
             vocab["tokenizer.ggml.tokens"] = list(vocab["tokenizer.ggml.tokens"])
-            vocab["tokenizer.ggml.tokens"][value] += "x"
+            for i in value:
+                vocab["tokenizer.ggml.tokens"][i] += "x"
         else:
             vocab[key] = value
+    if token_order is not None:
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
+            vocab[key] = [vocab[key][i] for i in token_order]
+        for key in ("bos", "eos", "padding"):
+            vocab[f"tokenizer.ggml.{key}_token_id"] = token_order.index(vocab[f"tokenizer.ggml.{key}_token_id"])
     n_vocab = len(vocab["tokenizer.ggml.tokens"])
     dims = {**DIMS, **(dims or {})}
     d, ff, nh, nkv, hd = (dims[k] for k in ("n_embd", "n_ff", "n_head", "n_head_kv", "head_dim"))
@@ -125,6 +140,8 @@ def write_tiny_gguf(
         arr = rng.standard_normal(shape) * scale + offset
         if perturb:
             arr = arr + noise.standard_normal(shape) * scale * perturb
+        if token_order is not None and name in ("token_embd.weight", "output.weight"):
+            arr = arr[token_order]
         arr = arr.astype(np.float32)
         qt = next((t for suffix, t in (qtype_overrides or {}).items()
                    if name == suffix or name.endswith("." + suffix)), qtype)
@@ -163,3 +180,9 @@ def write_tiny_gguf(
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+def write_other_vocab(path: Path, **kwargs) -> Path:
+    """The tiny model (seed 0, `kwargs` as write_tiny_gguf's) over another vocabulary, REVERSED with RENAMED renamed:
+    as a draft model, its drafts through the shared tokens are right until a renamed token ends them."""
+    return write_tiny_gguf(path, seed=0, token_order=REVERSED, vocab_changes={"rename_tokens": RENAMED}, **kwargs)

@@ -16,6 +16,7 @@ import json
 import statistics
 from dataclasses import asdict, dataclass, field
 
+from spec_cli.options import DRAFTER_SETTINGS
 from spec_cli.speculative.base import SpecParams
 
 BUILD_FIELDS = ("build_commit", "build_version", "torch_version", "cpu_info", "gpu_info", "backends")
@@ -23,14 +24,16 @@ RUN_FIELDS = ("device", "dtype")
 MODEL_FIELDS = ("model_filename", "model_type", "model_size", "model_n_params")
 PARAM_FIELDS = ("n_batch", "n_ubatch", "n_threads", "n_gpu_layers", "flash_attn", "compile", "devices")
 SHAPE_FIELDS = ("test", "n_prompt", "n_gen", "n_depth")
-# the n-gram drafters' own settings (SpecParams' ngram_* fields, llama.cpp's --spec-ngram-* flags), each read by the
-# drafter it is named after: empty on rows whose chain lacks that drafter
-NGRAM_FIELDS = tuple(f for f in SpecParams.__dataclass_fields__ if f.startswith("ngram_"))
+# the model-free drafters' own settings (SpecParams' ngram_* and suffix_* fields, the --spec-ngram-* and
+# --spec-suffix-* flags), each read by the drafter it is named after: empty on rows whose chain lacks that drafter
+NGRAM_FIELDS = tuple(f for f in SpecParams.__dataclass_fields__ if f.startswith(DRAFTER_SETTINGS))
+_FLOAT_NGRAM_FIELDS = {f for f in NGRAM_FIELDS if SpecParams.__dataclass_fields__[f].type == "float"}
 # a speculative test's parameters that bench sweeps for each prompt set and temperature (params.py), outermost first;
-# the draft model's are read by draft-simple only
+# the draft model's are read by draft-simple only; spec_accept (--spec-accept's rates) by the synthetic drafter's tests
+# only (spec_type "synthetic", speculative/synthetic.py): a row with it measured synthetic acceptance
 DRAFT_MODEL_FIELDS = ("model_draft", "n_gpu_layers_draft", "devices_draft", "draft_vocab")
-SWEPT_CASE_FIELDS = ("spec_type",) + DRAFT_MODEL_FIELDS + ("draft_max", "draft_min", "draft_p_min", "spec_verify",
-                                                           "spec_select", "spec_mtp_rollback")
+SWEPT_CASE_FIELDS = ("spec_type", "spec_accept") + DRAFT_MODEL_FIELDS + (
+    "draft_max", "draft_min", "draft_p_min", "spec_verify", "spec_select", "spec_mtp_rollback")
 CASE_FIELDS = ("temp",) + SWEPT_CASE_FIELDS + NGRAM_FIELDS + ("warm",)
 SPEC_FIELDS = ("prompt_set", "n_prompts") + CASE_FIELDS + (
     "n_drafted", "n_accepted", "n_steps", "n_tokens", "n_drafts", "acceptance", "mean_acc_len", "tokens_per_step",
@@ -46,10 +49,10 @@ KEY_FIELDS = (("model_filename", "backends", "dtype") + PARAM_FIELDS[:-1] + SHAP
 INT_FIELDS = {"model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads", "n_gpu_layers", "flash_attn",
               "n_prompt", "n_gen", "n_depth", "n_prompts", "n_gpu_layers_draft", "draft_vocab", "draft_max", "draft_min",
               "n_drafted", "n_accepted", "n_steps", "n_tokens", "n_drafts", "prompt_ns", "verify_k", "avg_ns",
-              "stddev_ns", *NGRAM_FIELDS}
+              "stddev_ns", *(set(NGRAM_FIELDS) - _FLOAT_NGRAM_FIELDS)}
 FLOAT_FIELDS = {"temp", "draft_p_min", "acceptance", "mean_acc_len", "tokens_per_step", "forwards_per_token",
                 "rows_per_token", "draft_ms", "verify_ms", "speedup", "cost_ratio", "break_even_len", "break_even_acc",
-                "avg_ts", "stddev_ts", "compile_s"}
+                "avg_ts", "stddev_ts", "compile_s", *_FLOAT_NGRAM_FIELDS}
 BOOL_FIELDS = {"warm"}
 LIST_FIELDS = {"acc_per_pos"}
 

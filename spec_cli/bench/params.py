@@ -28,6 +28,7 @@ from spec_cli.errors import UsageError
 from spec_cli.model.catalog import registry_entry
 from spec_cli.options import BENCH_OPTIONS, DEFAULT_GPU_LAYERS
 from spec_cli.runtime.draft_files import HEAD_FILE_TYPES, draft_kind
+from spec_cli.speculative.synthetic import NAME as SYNTHETIC
 
 
 def swept(flags: dict, name: str, default: list) -> list:
@@ -88,6 +89,7 @@ class BenchParams:
     spec_select: list[str] = _default("spec_select")
     spec_mtp_rollback: list[str] = _default("spec_mtp_rollback")
     ngram: dict[str, list[int]] = field(default_factory=lambda: {f: _default_value(f) for f in NGRAM_FIELDS})
+    spec_accept: list[str] = field(default_factory=list)  # --spec-accept: the synthetic chain's rates, as text
     temp: list[float] = _default("temp")  # greedy by default: reproducible, lossless speculation
     prompt_sets: list[str] = field(default_factory=list)  # built-in set names or .jsonl paths
     # which test kinds run
@@ -98,6 +100,7 @@ class BenchParams:
     warmup: bool = not BENCH_OPTIONS["no_warmup"].default
     warm: bool = BENCH_OPTIONS["warm"].default  # keep n-gram state and caches across repetitions of a spec test
     delay: int = BENCH_OPTIONS["delay"].default
+    seed: int = BENCH_OPTIONS["seed"].default  # random tokens, sampling, --spec-accept's draws
     tensor_parallel: int = BENCH_OPTIONS["tensor_parallel"].default  # -tp: one group of ranks for the whole run
 
     @property
@@ -108,6 +111,8 @@ class BenchParams:
         """What no one flag's parser can check (theirs ran in `from_flags`)."""
         if self.speculative and not any(self.n_gen):
             raise UsageError("speculative tests need -n > 0 (tokens generated per prompt)")
+        if self.spec_accept and any(t > 0 for t in self.temp):
+            raise UsageError("--spec-accept drafts the target's greedy continuation: it needs --temp 0")
 
 
 @dataclass(frozen=True)
@@ -121,7 +126,8 @@ class Test:
     verify_k: int = 0  # kind "verify": the largest k
     prompt_set: str = ""
     temp: float = 0.0
-    spec_type: str = "none"  # "none" = the plain run of the prompt set
+    spec_type: str = "none"  # "none" = the plain run of the prompt set; SYNTHETIC = the --spec-accept drafter
+    spec_accept: str | None = None  # the synthetic drafter's acceptance rates (options.spec_accept's text)
     model_draft: str = ""
     n_gpu_layers_draft: int = DEFAULT_GPU_LAYERS
     devices_draft: str = ""
@@ -202,6 +208,8 @@ def _spec_tests(p: BenchParams, model: str) -> list[Test]:
                 values.update({f: Test.__dataclass_fields__[f].default for f in unread})
             if "draft-mtp" not in types:
                 values["spec_mtp_rollback"] = Test.__dataclass_fields__["spec_mtp_rollback"].default
+            if types != [SYNTHETIC]:
+                values["spec_accept"] = None
             # the n-gram settings of the chain's own drafters (ngram_mod_n_match belongs to ngram-mod)
             ngram = [f for f in NGRAM_FIELDS if f.startswith(tuple(t.replace("-", "_") + "_" for t in types))]
             for ngram_case in itertools.product(*(p.ngram[f] for f in ngram)):
@@ -239,13 +247,15 @@ def from_flags(flags: dict) -> BenchParams:
     model_draft = swept(flags, "model_draft", [])
     if model_draft and not spec_type:  # -md alone drafts with its file's kind, as in every other command
         spec_type = sorted({_md_kind(md) for md in model_draft})
+    spec_accept = swept(flags, "spec_accept", [])
+    spec_type += [SYNTHETIC] if spec_accept else []  # its tests: one per rate (the chains' tests have none)
     prompt_sets = swept(flags, "prompt_set", []) + swept(flags, "prompts", [])
     speculative = bool(spec_type or prompt_sets)
     verify_cost = flags.get("verify_cost") or d.verify_cost
     explicit = bool(flags.get("n_prompt") or flags.get("n_pg") or (flags.get("n_gen") and not speculative))
     lists = {name: swept(flags, name, getattr(d, name)) for name in _LISTS}
     return BenchParams(
-        **lists, spec_type=spec_type, model_draft=model_draft,
+        **lists, spec_type=spec_type, model_draft=model_draft, spec_accept=list(dict.fromkeys(spec_accept)),
         n_pg=swept(flags, "n_pg", []),
         devices_draft=swept(flags, "device_draft", d.devices_draft),
         ngram={f: swept(flags, f, d.ngram[f]) for f in NGRAM_FIELDS},
@@ -257,6 +267,7 @@ def from_flags(flags: dict) -> BenchParams:
         warm=bool(flags.get("warm", d.warm)),
         delay=flags.get("delay") or d.delay,
         tensor_parallel=flags.get("tensor_parallel") or d.tensor_parallel,
+        seed=flags.get("seed", d.seed),
     )
 
 

@@ -10,6 +10,7 @@ Examples:
   spec-cli bench -m qwen2.5-coder-1.5b --verify-cost 16 -d 0,512 -r 3
   spec-cli bench -m qwen2.5-coder-1.5b -md qwen2.5-coder-0.5b --spec-type 'ngram-simple;ngram-mod;draft-simple' \\
       --spec-type ngram-mod,draft-simple --draft-max 1-16*2,auto --prompt-set code-edit -n 64 -r 2 --plot sweep.png
+  spec-cli bench -m qwen2.5-coder-1.5b --spec-accept 0.9,0.8/0.6 --draft-max 4,auto -n 64   # synthetic acceptance
   spec-cli bench -m qwen2.5-coder-0.5b -p 0 -n 64 -r 10 --baseline-cmd main/.venv/bin/spec-cli   # paired CI gate
   spec-cli bench -o jsonl --baseline main.jsonl --max-regression 10     # against a stored run (unpaired)
 """

@@ -124,6 +124,10 @@ class RunResult:
                 drafters=[st.to_dict() for st in session.stats.values()],
                 time_split_ms={k: round(v, 3) for k, v in self.timings.items()},
             )
+        if engine.draft_bridge is not None:  # a draft model with another vocabulary (vocab_bridge.py)
+            shared, of = engine.draft_bridge.shared_common
+            out["draft_vocabulary"] = {"shared_tokens": engine.draft_bridge.n_shared, "common_shared": shared,
+                                       "common_of": of}
         return out
 
 

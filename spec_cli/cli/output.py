@@ -80,6 +80,8 @@ def drafter_table(drafters: list[dict]) -> Table:
         "begin/draft/accept ms": lambda s: f"{s['t_begin_us'] / 1e3:.1f}/{s['t_draft_us'] / 1e3:.1f}/"
         f"{s['t_accept_us'] / 1e3:.1f}",
     }
+    if any(s["n_mapped"] or s["n_unmapped"] for s in drafters):  # a draft model with another vocabulary
+        rows["mapped tokens"] = lambda s: f"{s['n_mapped']}/{s['n_mapped'] + s['n_unmapped']}"
     for label, value in rows.items():
         t.add_row(label, *(str(value(s)) for s in drafters))
     return t

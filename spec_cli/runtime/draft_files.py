@@ -17,7 +17,7 @@ from spec_cli.model.eagle3_file import is_eagle3
 from spec_cli.model.gguf_file import GGUFFile
 from spec_cli.model.loader import LoadedModel, torch_device
 from spec_cli.model.mtp_head import MTPHead, load_mtp_head
-from spec_cli.speculative.draft_model import check_vocab_compatible
+from spec_cli.speculative.vocab_bridge import require_same_vocabulary
 from spec_cli.text.tokenizer import Tokenizer
 
 # the spec types a -md file can be drafted with; of them, those whose -md is a head file of its own (not a model)
@@ -65,7 +65,7 @@ def load_head(path: str | Path, target: LoadedModel, tokenizer: Tokenizer, devic
     gf = GGUFFile(path)
     head = loader(gf, target, device)
     if "tokenizer.ggml.tokens" in gf.metadata:
-        check_vocab_compatible(tokenizer, Tokenizer.from_metadata(gf.metadata))
+        require_same_vocabulary(tokenizer, Tokenizer.from_metadata(gf.metadata))
     return head
 
 

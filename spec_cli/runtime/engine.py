@@ -24,8 +24,8 @@ from spec_cli.options import DEFAULT_GPU_LAYERS, default
 from spec_cli.runtime import memory
 from spec_cli.runtime.draft_files import HEAD_FILE_TYPES, WHAT, draft_kind, head_device, load_head, load_mtp, md_type
 from spec_cli.speculative.base import SpecParams
-from spec_cli.speculative.draft_model import check_vocab_compatible
 from spec_cli.speculative.verify_costs import CostModel
+from spec_cli.speculative.vocab_bridge import VocabBridge, vocab_bridge
 from spec_cli.text.tokenizer import Tokenizer
 
 
@@ -62,6 +62,7 @@ class Engine:
     dflash_ctx: DFlashContext | None = None  # the DFlash drafter of -md with its own KV (draft-dflash, draft-dspark)
     draft_file: Path | None = None  # the -md file the drafters read (a draft model, a head file, an MTP model)
     costs: CostModel = field(default_factory=CostModel)  # --draft-max auto: the target's verify cost, calibrated once
+    draft_bridge: VocabBridge | None = None  # a draft model with another vocabulary than the target's
 
     @property
     def eog_ids(self) -> set[int]:
@@ -120,11 +121,11 @@ def build_engine(opts: EngineOptions) -> Engine:
         memory.check_fits(memory.estimate(opts, target_file, draft_file, head_file(opts, target_file)), opts)
     target = load_target(opts, target_file)
     tokenizer = Tokenizer.from_metadata(target.gguf.metadata)
-    draft = None
+    draft = bridge = None
     if draft_file is not None:
         draft = load_model(draft_file, opts.device_draft or opts.device, opts.n_gpu_layers_draft, opts.dtype)
-        check_vocab_compatible(tokenizer, Tokenizer.from_metadata(draft.gguf.metadata))
-    return assemble_engine(opts, target, tokenizer, draft)
+        bridge = vocab_bridge(tokenizer, Tokenizer.from_metadata(draft.gguf.metadata), draft.gguf.metadata)
+    return assemble_engine(opts, target, tokenizer, draft, bridge)
 
 
 def head_file(opts: EngineOptions, target_file: GGUFFile) -> tuple[str, GGUFFile] | None:
@@ -163,10 +164,11 @@ def load_target(opts: EngineOptions, target_file: GGUFFile | None = None) -> Loa
                                        opts.threads)
 
 
-def assemble_engine(opts: EngineOptions, target: LoadedModel, tokenizer: Tokenizer,
-                    draft: LoadedModel | None) -> Engine:
-    """Contexts and, for draft-mtp, the MTP head around loaded models (`draft` when the types hold draft-simple).
-    Separate from loading because bench keeps its models loaded across tests."""
+def assemble_engine(opts: EngineOptions, target: LoadedModel, tokenizer: Tokenizer, draft: LoadedModel | None,
+                    draft_bridge: VocabBridge | None = None) -> Engine:
+    """Contexts and, for draft-mtp, the MTP head around loaded models (`draft` when the types hold draft-simple,
+    `draft_bridge` when its vocabulary is another). Separate from loading because bench keeps its models loaded
+    across tests."""
     n_ctx = opts.n_ctx if opts.n_ctx > 0 else target.config.n_ctx_train
     ctx = context_class(target)(target, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch, compile=opts.compile)
     # the draft context has the target's n_ctx (a smaller one crashed llama.cpp, #22554)
@@ -189,7 +191,7 @@ def assemble_engine(opts: EngineOptions, target: LoadedModel, tokenizer: Tokeniz
                   if "draft-eagle3" in heads else None)
     dflash_ctx = DFlashContext(block_head, n_ctx, opts.n_seq, opts.n_batch, opts.n_ubatch) if block_head else None
     return Engine(target, tokenizer, ctx, draft, draft_ctx, mtp_ctx, eagle3_ctx, dflash_ctx, md,
-                  CostModel(verify_cost_cache()))
+                  CostModel(verify_cost_cache()), draft_bridge)
 
 
 def context_class(loaded: LoadedModel) -> type[Context]:

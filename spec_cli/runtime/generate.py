@@ -210,8 +210,12 @@ class Generator:
     def finish(self, seq: int, reason: str = "stop") -> None:
         """Drop a sequence (finished, cancelled, client gone); its KV cells are reused by the next request."""
         s = self.active.pop(seq, None)
-        if s is not None and s.finish_reason is None:
+        if s is None:
+            return
+        if s.finish_reason is None:
             s.finish_reason = reason
+        if self.chain:
+            self.chain.end(seq, s.tokens[s.n_prompt:] + [s.id_last])
 
     # --- internals ---------------------------------------------------------------------------------------
 

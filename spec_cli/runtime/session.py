@@ -12,22 +12,27 @@ one lives at a time; other settings mean a new session (`renew`), never an assig
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from spec_cli.options import AUTO
 from spec_cli.runtime.engine import Engine, EngineOptions, build_engine, implied_spec
 from spec_cli.runtime.generate import Generator
 from spec_cli.speculative.adaptive import Planner
-from spec_cli.speculative.base import SpecParams
+from spec_cli.speculative.base import Drafter, SpecParams
 from spec_cli.speculative.chain import Chain
 from spec_cli.speculative.registry import DrafterInputs, build_drafters
 from spec_cli.speculative.stats import DrafterStats
 
+DrafterMaker = Callable[[DrafterInputs], list[Drafter]]
+
 
 class Session:
-    def __init__(self, engine: Engine, spec: SpecParams):
-        self.engine, self.spec = engine, spec
-        self.chain = build_chain(engine, spec)
+    def __init__(self, engine: Engine, spec: SpecParams, make_drafters: DrafterMaker | None = None):
+        """`make_drafters`: builds the chain's drafters instead of the registry's types (bench --spec-accept's
+        synthetic drafter); renewed sessions build theirs with it too."""
+        self.engine, self.spec, self.make_drafters = engine, spec, make_drafters
+        self.chain = build_chain(engine, spec, make_drafters)
         # set either way, so features an earlier session's drafters asked for are not captured past it
         engine.ctx.set_taps(layer for d in (self.chain.drafters if self.chain else []) for layer in d.target_layers())
 
@@ -74,7 +79,8 @@ class Session:
         stats = self.stats
         self.close()
         self.reset()
-        fresh = Session(replace(self.engine, costs=self.engine.costs.cold()), replace(self.spec, **spec_changes))
+        fresh = Session(replace(self.engine, costs=self.engine.costs.cold()), replace(self.spec, **spec_changes),
+                        self.make_drafters)
         if keep_stats and fresh.chain is not None:
             fresh.chain.stats = stats
         return fresh
@@ -90,12 +96,14 @@ def open_session(opts: EngineOptions) -> Session:
     return Session(build_engine(opts), implied_spec(opts))
 
 
-def build_chain(engine: Engine, spec: SpecParams) -> Chain | None:
+def build_chain(engine: Engine, spec: SpecParams, make_drafters: DrafterMaker | None = None) -> Chain | None:
     """Fresh drafters (empty n-gram state, cleared draft caches) for the spec types, in the registry's priority
-    order; with --draft-max auto, a fresh planner for them on the engine's cost model."""
+    order (or those `make_drafters` builds); with --draft-max auto, a fresh planner for them on the engine's cost
+    model."""
     n_seq = engine.ctx.n_seq
-    drafters = build_drafters(spec.types, DrafterInputs(spec, n_seq, engine.ctx, engine.draft_ctx, engine.mtp_ctx,
-                                                        engine.eagle3_ctx, engine.dflash_ctx))
+    inputs = DrafterInputs(spec, n_seq, engine.ctx, engine.draft_ctx, engine.mtp_ctx, engine.eagle3_ctx,
+                           engine.dflash_ctx, engine.draft_bridge)
+    drafters = make_drafters(inputs) if make_drafters is not None else build_drafters(spec.types, inputs)
     if not drafters:
         return None
     return Chain(drafters, n_seq, Planner(engine.costs, spec.draft_max) if spec.adaptive else None, spec.select)

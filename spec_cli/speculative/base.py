@@ -6,6 +6,8 @@ Lifecycle per sequence, as in llama.cpp's common/speculative.h:
   draft(params)             drafts for all sequences whose `drafting` flag is set, in one call
   accept(seq, n, is_other)  how many draft tokens the target accepted (bonus token not counted);
                             is_other=True when another drafter of the chain produced this step's draft
+  end(seq, output)          optional: the request on seq is over; output = every token it generated (the last
+                            sampled one included), for a drafter that learns across requests
   shorten(seq, n)           optional: the chain verifies only the first n tokens of this drafter's draft
                             (--draft-max auto); for drafters whose accept bookkeeping depends on the draft length
   catch_up(params)          optional: called just before draft(params) and timed apart from it, for a drafter that
@@ -75,6 +77,10 @@ class SpecParams:
     ngram_mod_n_match: int = default("ngram_mod_n_match")
     ngram_mod_n_min: int = default("ngram_mod_n_min")
     ngram_mod_n_max: int = default("ngram_mod_n_max")
+    suffix_max_depth: int = default("suffix_max_depth")
+    suffix_max_spec_factor: float = default("suffix_max_spec_factor")
+    suffix_min_token_prob: float = default("suffix_min_token_prob")
+    suffix_cache_tokens: int = default("suffix_cache_tokens")
     lookup_cache_static: str | None = None
     lookup_cache_dynamic: str | None = None
 
@@ -95,6 +101,8 @@ class DraftParams:
     p_min: float | None = None
     sampling: Any = None  # the target's SamplingParams when verification is by rejection: model drafters then
     #                       sample from their own filtered distribution and return it in `probs` (else greedy)
+    crossed: tuple[int, int] | None = None  # a draft model with another vocabulary: (its draft tokens that had a
+    #                                         counterpart in the target's, those that did not and ended the draft)
 
     def min_length(self, params: SpecParams) -> int:
         """Shortest draft a model drafter may hand in (this request's n_min, else --draft-min): shorter is dropped."""
@@ -139,6 +147,9 @@ class Drafter:
         pass
 
     def accept(self, seq: int, n_accepted: int, is_other: bool) -> None:
+        pass
+
+    def end(self, seq: int, output: list[int]) -> None:
         pass
 
     def save_state(self, seq: int) -> State:

@@ -136,6 +136,10 @@ class Chain:
                     p.probs = None
         st = self.stats[d.name]
         st.n_call_draft += 1
+        for p in asking:
+            if p.crossed is not None:  # a draft model with another vocabulary (vocab_bridge.py)
+                st.n_mapped += p.crossed[0]
+                st.n_unmapped += p.crossed[1]
         n_drafts = sum(1 for p in asking if p.result)
         st.n_proposed += n_drafts
         if self.planner is not None:
@@ -199,6 +203,11 @@ class Chain:
         if winner is not None and self.planner is None:  # with a planner, the step loop tells it (observe_accept)
             self.acceptance.observe(winner.name, n_drafted, n_accepted)
         self.last[seq] = None
+
+    def end(self, seq: int, output: list[int]) -> None:
+        """The request on seq is over; `output` = the tokens it generated."""
+        for d in self.drafters:
+            d.end(seq, output)
 
     # --- slot files: every drafter's state of one sequence, under its name ----------------------------------------
 

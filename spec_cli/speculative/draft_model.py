@@ -15,9 +15,12 @@ the draft vocabulary only (`--draft-vocab`, speculative/draft_vocab.py): the com
 cache was given.
 When verification is by rejection (`DraftParams.sampling` set), the draft instead samples each token from its own
 distribution under the target's sampler settings and returns those distributions (q) for exact rejection sampling.
+A draft model with another vocabulary than the target's (vocab_bridge.py) reads the target's tokens translated into
+its own (the draft cache then holds the translation, by draft position) and drafts until its top token has no
+counterpart in the target's vocabulary.
 A slot file holds a sequence's draft cache (KV and tokens), its mirror of the target cache, its window offset and idle
 count, and the tokens the draft vocabulary was shown (shared by the sequences); the sampling generator is not kept
-(each request starts its own, at `begin`).
+(each request starts its own, at `begin`), nor the translation of the target's tokens (made again from them).
 """
 
 from __future__ import annotations
@@ -32,10 +35,9 @@ from spec_cli.model.sampling import draft_generator, sample_restricted
 from spec_cli.model.state_arrays import State, counters, ints, prefixed, scalar, token_ids, within
 from spec_cli.speculative.base import Drafter, DraftParams, SpecParams, TargetCache
 from spec_cli.speculative.draft_vocab import DraftVocab
+from spec_cli.speculative.vocab_bridge import VocabBridge
 
 DRAFT_TOP_K = 10  # llama.cpp LLAMA_DRAFT_TOP_K
-VOCAB_MAX_SIZE_DIFFERENCE = 128  # llama.cpp SPEC_VOCAB_MAX_SIZE_DIFFERENCE
-VOCAB_CHECK_START_TOKEN_ID = 5  # llama.cpp SPEC_VOCAB_CHECK_START_TOKEN_ID
 # Target positions a sequence's draft cache may lag behind before `process` catches it up in a batch of its own: a
 # longer lag is a prompt (or a streak another drafter won), mirrored when the target decodes it, as llama.cpp's
 # draft mirrors prompt chunks, so a prompt's prefill is prompt time whatever its length (at 64, prompts of 17-64
@@ -51,37 +53,22 @@ IDLE_STEPS = 8
 RESTART_WINDOW = 32
 
 
-def check_vocab_compatible(target_tok, draft_tok) -> None:
-    """llama.cpp `common_speculative_are_compatible`: raise SpecCliError naming the first difference."""
-    problems = []
-    if target_tok.vocab_type != draft_tok.vocab_type:
-        problems.append(f"vocabulary types differ ({target_tok.vocab_type} vs {draft_tok.vocab_type})")
-    if target_tok.add_bos != draft_tok.add_bos or (target_tok.add_bos and target_tok.bos_id != draft_tok.bos_id):
-        problems.append("BOS settings differ")
-    if target_tok.add_eos != draft_tok.add_eos or (target_tok.add_eos and target_tok.eos_id != draft_tok.eos_id):
-        problems.append("EOS settings differ")
-    diff = abs(target_tok.n_vocab - draft_tok.n_vocab)
-    if diff > VOCAB_MAX_SIZE_DIFFERENCE:
-        problems.append(f"vocabulary sizes differ by {diff} ({target_tok.n_vocab} vs {draft_tok.n_vocab}, max 128)")
-    if not problems:
-        for i in range(VOCAB_CHECK_START_TOKEN_ID, min(target_tok.n_vocab, draft_tok.n_vocab)):
-            if target_tok.token_text(i) != draft_tok.token_text(i):
-                problems.append(f"token {i} differs ('{target_tok.token_text(i)}' vs '{draft_tok.token_text(i)}')")
-                break
-    if problems:
-        raise SpecCliError("draft model vocabulary is not compatible with the target: " + "; ".join(problems))
-
-
 class DraftModelDrafter(Drafter):
     name = "draft-simple"
     cheap = False
 
-    def __init__(self, ctx: Context, params: SpecParams, n_seq: int):
+    def __init__(self, ctx: Context, params: SpecParams, n_seq: int, bridge: VocabBridge | None = None):
         if ctx.n_seq != n_seq:
             raise SpecCliError(f"draft context has {ctx.n_seq} sequences, the target {n_seq}")
         ctx.clear()  # a fresh drafter: its draft cache starts empty, as `cached` says
         self.ctx = ctx
         self.params = params
+        # another vocabulary than the target's (vocab_bridge.py): the draft cache holds the draft's tokens for the
+        # target's, by draft position; None: the same ids, positions offset by `offset` only
+        self.bridge = bridge
+        # per sequence, the translation `_draft_history` made last: (target tokens, their draft tokens, where each
+        # target token's draft tokens end in them, after a leading 0)
+        self.translated: list[tuple[list[int], list[int], list[int]]] = [([], [], [0]) for _ in range(n_seq)]
         self.cached: list[list[int]] = [[] for _ in range(n_seq)]  # tokens in the draft KV, by draft position
         self.target_cache = TargetCache(n_seq)  # tokens in the target KV, as far as known
         self.offset = [0] * n_seq  # target position of draft position 0 (> 0 after a restart from a window)
@@ -101,8 +88,7 @@ class DraftModelDrafter(Drafter):
             if p0 is None:  # positions filled without this drafter: draft() catches up from the history
                 continue
             if p0 < self.offset[seq]:  # the target went back before the window: start over from position 0
-                self.offset[seq] = 0
-                self._trim(seq, 0)
+                self._restart(seq, 0)
             known = self.target_cache.tokens[seq]
             self.idle[seq] += 1
             if self.idle[seq] <= IDLE_STEPS and self._lag(seq, known) > DEFER_MAX:
@@ -120,8 +106,7 @@ class DraftModelDrafter(Drafter):
         for p in params:
             lag = self._lag(p.seq, p.prompt)
             if self.idle[p.seq] > IDLE_STEPS and lag > RESTART_WINDOW:
-                self._trim(p.seq, 0)
-                self.offset[p.seq] = p.pos0 - RESTART_WINDOW
+                self._restart(p.seq, p.pos0 - RESTART_WINDOW)
                 lag = RESTART_WINDOW
             if lag > CATCH_UP_MIN:
                 self._add_catch_up(batch, p.seq, p.prompt, p.pos0 - 1, seed=False)
@@ -151,19 +136,19 @@ class DraftModelDrafter(Drafter):
             step = Batch()
             for seq, p in list(active.items()):
                 row = rows[seq]
+                token = ids[row]
                 p_min = p.p_min if p.p_min is not None else self.params.draft_p_min
-                if p_top[row] < p_min:
+                if p_top[row] < p_min or not self._crosses(p, token):
                     del active[seq]
                     continue
                 if p.sampling is not None:
                     token, q = self._sample(seq, logits[row], p.sampling)
                     q_rows[seq].append(q)
-                    ids[row] = token
-                p.result.append(ids[row])
+                p.result.append(token if self.bridge is None else int(self.bridge.to_target[token]))
                 if len(p.result) >= min(p.n_max, self.params.draft_max):
                     del active[seq]
                     continue
-                step.add(ids[row], p.pos0 + len(p.result) - self.offset[seq], seq, True)
+                step.add(token, len(self.cached[seq]), seq, True)  # the draft position after the decoded rows
             if not len(step):
                 break
             logits = self._decode(step)
@@ -172,14 +157,30 @@ class DraftModelDrafter(Drafter):
             if len(p.result) < p.min_length(self.params):
                 p.result.clear()
             elif p.sampling is not None and p.result:
-                p.probs = torch.stack(q_rows[p.seq])  # [len(result), n_vocab_draft]
+                p.probs = torch.stack(q_rows[p.seq])  # [len(result), n_vocab] (the target's through a bridge)
+
+    def _crosses(self, p: DraftParams, token: int) -> bool:
+        """Whether the draft's top token has a counterpart in the target's vocabulary (always, with one vocabulary);
+        counts the draft tokens that crossed and the one that did not (the chain's statistics read them)."""
+        if self.bridge is None:
+            return True
+        mapped = bool(self.bridge.to_target[token] >= 0)
+        crossed, missed = p.crossed or (0, 0)
+        p.crossed = (crossed + mapped, missed + (not mapped))
+        return mapped
 
     def _sample(self, seq: int, logits: torch.Tensor, sampling) -> tuple[int, torch.Tensor]:
-        """One draft token drawn from q = the draft's distribution under the target's sampler chain."""
+        """One draft token drawn from q = the draft's distribution under the target's sampler chain (with another
+        vocabulary: among the tokens that have a counterpart, q then over the target's vocabulary)."""
         if self.rng[seq] is None:
             self.rng[seq] = draft_generator(sampling, logits.device)
         ids = self.vocab.ids if self.vocab is not None else None
-        return sample_restricted(logits, ids, self.ctx.config.n_vocab, sampling, self.rng[seq])
+        if self.bridge is None:
+            return sample_restricted(logits, ids, self.ctx.config.n_vocab, sampling, self.rng[seq])
+        unmapped = self.bridge.unmapped_mask(logits.device)  # q is 0 on the draft tokens without a counterpart
+        logits = logits.float().masked_fill(unmapped if ids is None else unmapped[ids], float("-inf"))
+        token, q = sample_restricted(logits, ids, self.ctx.config.n_vocab, sampling, self.rng[seq])
+        return token, self.bridge.target_distribution(q)
 
     def min_length(self, p: DraftParams) -> int:
         return p.min_length(self.params)
@@ -211,6 +212,7 @@ class DraftModelDrafter(Drafter):
         self.target_cache.forget(seq)
         self.offset[seq] = self.idle[seq] = 0
         self.rng[seq] = None
+        self.translated[seq] = ([], [], [0])
 
     def slot_info(self, seq: int) -> dict:
         return {"n_kv": self.ctx.lengths[seq]}
@@ -226,24 +228,55 @@ class DraftModelDrafter(Drafter):
         del self.cached[seq][pos:]
 
     def _lag(self, seq: int, history: list[int]) -> int:
-        """Rows of `history` (target tokens by target position) past what the draft cache holds."""
-        off = self.offset[seq]
-        return len(history) - off - common_prefix(self._synced(seq), history[off:])
+        """Rows of `history` (target tokens by target position) past what the draft cache holds (draft rows)."""
+        wanted = self._draft_history(seq, history, len(history))
+        return len(wanted) - common_prefix(self._synced(seq), wanted)
+
+    def _draft_history(self, seq: int, history: list[int], end: int) -> list[int]:
+        """What seq's draft cache should hold for history[offset:end], by draft position: those tokens, or with
+        another vocabulary their translation (kept per sequence, so a grown history costs its new tokens only)."""
+        tokens = history[self.offset[seq] : end]
+        if self.bridge is None:
+            return tokens
+        src, dst, ends = self.translated[seq]
+        n = common_prefix(src, tokens)
+        del src[n:], dst[ends[n]:], ends[n + 1:]
+        for t in tokens[n:]:
+            src.append(t)
+            dst.extend(self.bridge.draft_tokens(t))
+            ends.append(len(dst))
+        return list(dst)
 
     def _add_catch_up(self, batch: Batch, seq: int, history: list[int], end: int, seed: bool) -> bool:
         """Add the rows that bring seq's draft cache to history[offset:end] (trimming what differs). With `seed` the
         last row is decoded even when cached, and flagged: its logits seed a draft. False, adding nothing, when a row
-        is outside a smaller draft vocabulary (then the sequence gets no draft)."""
-        off = self.offset[seq]
-        start = off + common_prefix(self._synced(seq), history[off:end])
+        is outside a smaller draft vocabulary, or another vocabulary's rows and a draft would not fit in the draft
+        context even from the last window (then the sequence gets no draft)."""
+        wanted = self._draft_history(seq, history, end)
+        if self._overflows(wanted):  # another vocabulary may take more positions than the target's
+            self._restart(seq, max(0, end - RESTART_WINDOW))
+            wanted = self._draft_history(seq, history, end)
+        start = common_prefix(self._synced(seq), wanted)
         if seed:
-            start = min(start, end - 1)
-        if start >= end or max(history[start:end]) >= self.ctx.config.n_vocab:
+            start = min(start, len(wanted) - 1)
+        if start < 0 or start >= len(wanted) or self._overflows(wanted):
             return False
-        self._trim(seq, start - off)
-        for pos in range(start, end):
-            batch.add(history[pos], pos - off, seq, seed and pos == end - 1)
+        if max(wanted[start:]) >= self.ctx.config.n_vocab:
+            return False
+        self._trim(seq, start)
+        for pos in range(start, len(wanted)):
+            batch.add(wanted[pos], pos, seq, seed and pos == len(wanted) - 1)
         return True
+
+    def _overflows(self, wanted: list[int]) -> bool:
+        """Whether draft rows `wanted` and a whole draft after them would pass the draft context: only with another
+        vocabulary (with the target's, the rows are the target's own, which fit)."""
+        return self.bridge is not None and len(wanted) + self.params.draft_max > self.ctx.n_ctx_seq
+
+    def _restart(self, seq: int, offset: int) -> None:
+        """Empty seq's draft cache, to hold the history from target position `offset` on."""
+        self._trim(seq, 0)
+        self.offset[seq] = offset
 
     def _decode(self, batch: Batch) -> torch.Tensor:
         """Decode in n_batch slices (a catch-up may exceed it) -> logits of the flagged rows, batch order."""

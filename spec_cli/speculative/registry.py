@@ -25,6 +25,8 @@ from spec_cli.speculative.ngram_cache import NgramCacheDrafter
 from spec_cli.speculative.ngram_map import NgramMapK4vDrafter, NgramMapKDrafter
 from spec_cli.speculative.ngram_mod import NgramModDrafter
 from spec_cli.speculative.ngram_simple import NgramSimpleDrafter
+from spec_cli.speculative.suffix import SuffixDrafter
+from spec_cli.speculative.vocab_bridge import VocabBridge
 
 
 @dataclass(frozen=True)
@@ -38,14 +40,16 @@ class DrafterInputs:
     mtp: HeadContext | None = None  # the target's NextN head with its own KV, for draft-mtp
     eagle3: HeadContext | None = None  # the EAGLE-3 head (-md) with its own KV, for draft-eagle3
     dflash: DFlashContext | None = None  # the DFlash drafter (-md) with its own KV, for draft-dflash / draft-dspark
+    draft_bridge: VocabBridge | None = None  # the draft model's vocabulary to the target's, when they differ
 
 
 DrafterFactory = Callable[[DrafterInputs], Drafter]
 
 _FACTORIES: dict[str, DrafterFactory] = {  # the built-in types of options.py, by canonical name
     **{cls.name: (lambda inputs, cls=cls: cls(inputs.params, inputs.n_seq))
-       for cls in (NgramSimpleDrafter, NgramMapKDrafter, NgramMapK4vDrafter, NgramModDrafter, NgramCacheDrafter)},
-    "draft-simple": lambda inputs: DraftModelDrafter(inputs.draft, inputs.params, inputs.n_seq),
+       for cls in (NgramSimpleDrafter, NgramMapKDrafter, NgramMapK4vDrafter, NgramModDrafter, NgramCacheDrafter,
+                   SuffixDrafter)},
+    "draft-simple": lambda inputs: DraftModelDrafter(inputs.draft, inputs.params, inputs.n_seq, inputs.draft_bridge),
     "draft-mtp": lambda inputs: MTPDrafter(inputs.mtp, inputs.target, inputs.params, inputs.n_seq),
     "draft-eagle3": lambda inputs: Eagle3Drafter(inputs.eagle3, inputs.target, inputs.params, inputs.n_seq),
     "draft-dflash": lambda inputs: DFlashDrafter(inputs.dflash, inputs.target, inputs.params, inputs.n_seq),

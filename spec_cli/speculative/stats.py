@@ -25,6 +25,8 @@ class DrafterStats:
     n_acc_tokens: int = 0
     n_acc_tokens_per_pos: list[int] = field(default_factory=list)
     n_gen_tokens_per_pos: list[int] = field(default_factory=list)
+    n_mapped: int = 0  # draft tokens of another vocabulary that had a counterpart in the target's (vocab_bridge.py)
+    n_unmapped: int = 0  # ... that had none, each ending its draft
     t_begin_us: float = 0.0
     t_draft_us: float = 0.0
     t_accept_us: float = 0.0
@@ -47,7 +49,7 @@ class DrafterStats:
 
     def merge(self, other: "DrafterStats") -> None:
         for f in ("n_call_begin", "n_call_draft", "n_call_accept", "n_proposed", "n_gen_drafts", "n_acc_drafts",
-                  "n_gen_tokens", "n_acc_tokens", "t_begin_us", "t_draft_us", "t_accept_us"):
+                  "n_gen_tokens", "n_acc_tokens", "n_mapped", "n_unmapped", "t_begin_us", "t_draft_us", "t_accept_us"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         for mine, theirs in ((self.n_acc_tokens_per_pos, other.n_acc_tokens_per_pos),
                              (self.n_gen_tokens_per_pos, other.n_gen_tokens_per_pos)):
@@ -86,6 +88,8 @@ class DrafterStats:
         if self.n_call_accept > 0:
             rates = ", ".join(f"{r:.3f}" for r in self.acc_rate_per_pos)
             s += f", #mean acc len = {self.mean_acc_len:.2f}, #acc rate/pos = ({rates})"
+        if self.n_mapped or self.n_unmapped:
+            s += f", #mapped tokens = {self.n_mapped}/{self.n_mapped + self.n_unmapped}"
         if timing:
             s += f", dur(b,g,a) = {self.t_begin_us / 1e3:.3f}, {self.t_draft_us / 1e3:.3f}, {self.t_accept_us / 1e3:.3f} ms"
         return s

@@ -160,6 +160,10 @@ class Tokenizer:
         """The raw vocabulary string (byte-level or "▁" escaped), as stored in the GGUF."""
         return self._tokens[token_id]
 
+    def token_attr(self, token_id: int) -> int:
+        """The token's llama_token_attr bits (NORMAL, CONTROL, BYTE, ...)."""
+        return self._attrs[token_id]
+
     def is_eog(self, token_id: int) -> bool:
         return token_id in self.eog_ids
 
