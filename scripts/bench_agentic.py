@@ -15,8 +15,8 @@ import json
 import sys
 
 import httpx
-
 from bench_server import start_server
+
 from spec_cli.text.prompt_sets import load_prompt_set
 
 

@@ -60,10 +60,10 @@ from spec_cli.runtime.engine import Engine, EngineOptions, assemble_engine, cont
 from spec_cli.runtime.generate import generate
 from spec_cli.runtime.session import DrafterMaker, Session
 from spec_cli.speculative.base import SpecParams
-from spec_cli.speculative.vocab_bridge import VocabBridge, vocab_bridge
 from spec_cli.speculative.stats import DrafterStats
 from spec_cli.speculative.synthetic import SyntheticDrafter
 from spec_cli.speculative.verify_costs import time_forwards
+from spec_cli.speculative.vocab_bridge import VocabBridge, vocab_bridge
 from spec_cli.text.prompt_sets import PromptSet, load_prompt_set, render_tokens
 from spec_cli.text.tokenizer import Tokenizer
 
