@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import httpx
 import numpy as np
+from gguf import GGUFReader, quants
 
 from spec_cli.model.loader import load_model
 from spec_cli.model.sampling import SamplingParams
@@ -97,3 +98,21 @@ def assert_rejection_keeps_the_distribution(session, prompt: list[int]) -> None:
     tv = 0.5 * sum(abs(counts[k] / n - exact.get(k, 0.0)) for k in set(exact) | set(counts))
     assert tv < 0.12, f"total variation {tv:.3f}"
     assert drafted > 0 and 0 < accepted < drafted
+
+
+class GGUFContents:
+    """A GGUF file read with gguf's reader: its fields' values and its tensors as float32 arrays in numpy's order
+    (dequantized), the form the Hugging Face references of the head tests compute with."""
+
+    def __init__(self, path) -> None:
+        reader = GGUFReader(str(path))
+        self.fields = reader.fields
+        self.tensors = {x.name: x for x in reader.tensors}
+
+    def value(self, key: str):
+        return self.fields[key].contents()
+
+    def array(self, name: str) -> np.ndarray:
+        x = self.tensors[name]
+        data = quants.dequantize(x.data, x.tensor_type) if x.tensor_type.name not in ("F32", "F16") else x.data
+        return np.asarray(data, dtype=np.float32).reshape([int(v) for v in reversed(x.shape)])

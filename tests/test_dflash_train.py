@@ -6,10 +6,9 @@ sequences; rejection sampling keeps the target's distribution at T > 0 with its 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from gguf import GGUFReader, quants
+from gguf import GGUFReader
 
 from spec_cli.model.batch import Batch
 from spec_cli.model.dflash_file import load_dflash_head
@@ -19,6 +18,7 @@ from spec_cli.model.sampling import SamplingParams
 from spec_cli.train.dflash import DFlashTrainConfig, block_states, default_layers, train
 from tests.draft_recorder import record_drafts
 from tests.head_checks import (
+    GGUFContents,
     assert_it_learned,
     assert_rejection_keeps_the_distribution,
     n_accepted,
@@ -59,15 +59,8 @@ def test_the_trained_drafter_accepts_more_than_the_untrained_one(target_path, tr
 
 def read_back(path, target_path) -> TinyDFlash:
     """The written file read with gguf's reader into the Hugging Face layout the reference computes with."""
-    reader = GGUFReader(str(path))
-    t = {x.name: x for x in reader.tensors}
-    target = {x.name: x for x in GGUFReader(str(target_path)).tensors}
-    value = lambda key: reader.fields[key].contents()  # noqa: E731
-
-    def arr(name, tensors=t):
-        x = tensors[name]
-        data = quants.dequantize(x.data, x.tensor_type) if x.tensor_type.name not in ("F32", "F16") else x.data
-        return np.asarray(data, dtype=np.float32).reshape([int(v) for v in reversed(x.shape)])
+    head, target = GGUFContents(path), GGUFContents(target_path)
+    arr, value = head.array, head.value
 
     n_layer = value("dflash.block_count")
     hf = {"fc": arr("fc.weight"), "hidden_norm": arr("enc.output_norm.weight"), "norm": arr("output_norm.weight"),
@@ -75,7 +68,8 @@ def read_back(path, target_path) -> TinyDFlash:
           **{f"layers.{i}.{key}": arr(f"blk.{i}.{name}.weight") for i in range(n_layer)
              for name, key in LAYER_NAMES.items()}}
     return TinyDFlash(path, tuple(int(v) for v in value("dflash.target_layers")), value("dflash.block_size"), hf,
-                      n_layer, t["d2t"].data.tolist(), arr("token_embd.weight", target), arr("output.weight", target))
+                      n_layer, head.tensors["d2t"].data.tolist(), target.array("token_embd.weight"),
+                      target.array("output.weight"))
 
 
 def test_the_file_is_llama_cpps_layout_and_drafts_as_its_reference(target_path, trained):

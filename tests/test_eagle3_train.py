@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFReader, quants
+from gguf import GGUFReader
 
 from spec_cli.model.loader import load_model
 from spec_cli.model.sampling import SamplingParams
@@ -18,6 +18,7 @@ from spec_cli.train.eagle3 import Eagle3TrainConfig, train
 from spec_cli.train.requests import all_requests, is_held_out
 from tests.draft_recorder import record_drafts
 from tests.head_checks import (
+    GGUFContents,
     assert_it_learned,
     assert_rejection_keeps_the_distribution,
     n_accepted,
@@ -56,15 +57,8 @@ def test_the_trained_head_accepts_more_than_the_untrained_one(target_path, train
 
 def read_back(path, target_path) -> TinyEagle3:
     """The written file read with gguf's reader into the Hugging Face layout the reference computes with."""
-    reader = GGUFReader(str(path))
-    t = {x.name: x for x in reader.tensors}
-    target = {x.name: x for x in GGUFReader(str(target_path)).tensors}
-    value = lambda key: reader.fields[key].contents()  # noqa: E731
-
-    def arr(name, tensors=t):
-        x = tensors[name]
-        data = quants.dequantize(x.data, x.tensor_type) if x.tensor_type.name not in ("F32", "F16") else x.data
-        return np.asarray(data, dtype=np.float32).reshape([int(v) for v in reversed(x.shape)])
+    head, target = GGUFContents(path), GGUFContents(target_path)
+    arr, value = head.array, head.value
 
     def to_half_split(w, n_head):  # llama's interleaved rope order -> HF's
         d = w.shape[0] // n_head
@@ -77,8 +71,8 @@ def read_back(path, target_path) -> TinyEagle3:
           "o_proj": arr("blk.0.attn_output.weight"), "post_attention_layernorm": arr("blk.0.ffn_norm.weight"),
           "gate_proj": arr("blk.0.ffn_gate.weight"), "up_proj": arr("blk.0.ffn_up.weight"),
           "down_proj": arr("blk.0.ffn_down.weight"), "norm": arr("output_norm.weight"), "lm_head": arr("output.weight")}
-    return TinyEagle3(path, tuple(int(v) for v in value("eagle3.target_layers")), hf, t["d2t"].data.tolist(),
-                      target_embd=arr("token_embd.weight", target), target_out=arr("output.weight", target))
+    return TinyEagle3(path, tuple(int(v) for v in value("eagle3.target_layers")), hf, head.tensors["d2t"].data.tolist(),
+                      target_embd=target.array("token_embd.weight"), target_out=target.array("output.weight"))
 
 
 def test_the_file_is_llama_cpps_layout_and_drafts_as_its_reference(target_path, trained):
