@@ -178,6 +178,16 @@ class HistoryDrafter(Drafter):
         raise NotImplementedError
 
 
+def check_own_context(name: str, what: str, ctx, target, n_seq: int) -> None:
+    """A drafter's own context (`what`: its head's or drafter's) matches the target's: n_seq sequences, and at least
+    as many positions per sequence."""
+    if ctx.n_seq != n_seq or target.n_seq != n_seq:
+        raise SpecCliError(f"{name}: the {what}'s context has {ctx.n_seq} sequences, the target {target.n_seq}, "
+                           f"expected {n_seq}")
+    if ctx.n_ctx_seq < target.n_ctx_seq:
+        raise SpecCliError(f"{name}: the {what}'s context must hold as many positions per sequence as the target's")
+
+
 class TargetCache:
     """What the target's KV cache holds, token by position per sequence, mirrored from the target batches a model
     drafter is shown (`process`): the history its own cache follows."""

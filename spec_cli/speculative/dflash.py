@@ -32,7 +32,7 @@ from spec_cli.model.context import Context
 from spec_cli.model.dflash_head import DFlashContext
 from spec_cli.model.sampling import draft_generator, sample_restricted
 from spec_cli.model.state_arrays import State, prefixed, scalar, within
-from spec_cli.speculative.base import Drafter, DraftParams, SpecParams, TargetCache
+from spec_cli.speculative.base import Drafter, DraftParams, SpecParams, TargetCache, check_own_context
 from spec_cli.speculative.draft_model import DRAFT_TOP_K
 
 
@@ -43,12 +43,7 @@ class DFlashDrafter(Drafter):
     first_row = 1  # the block row that holds the first draft token (row 0 is id_last's)
 
     def __init__(self, ctx: DFlashContext, target: Context, params: SpecParams, n_seq: int):
-        if ctx.n_seq != n_seq or target.n_seq != n_seq:
-            raise SpecCliError(f"{self.name}: the drafter's context has {ctx.n_seq} sequences, the target "
-                               f"{target.n_seq}, expected {n_seq}")
-        if ctx.n_ctx_seq < target.n_ctx_seq:
-            raise SpecCliError(f"{self.name}: the drafter's context must hold as many positions per sequence as the "
-                               "target's")
+        check_own_context(self.name, "drafter", ctx, target, n_seq)
         ctx.clear()
         self.ctx, self.target, self.params = ctx, target, params
         self.head = ctx.head

@@ -65,7 +65,7 @@ from spec_cli.model.state_arrays import (
     scalar,
     within,
 )
-from spec_cli.speculative.base import Drafter, DraftParams, SpecParams, TargetCache
+from spec_cli.speculative.base import Drafter, DraftParams, SpecParams, TargetCache, check_own_context
 from spec_cli.speculative.draft_model import DRAFT_TOP_K, IDLE_STEPS, RESTART_WINDOW
 
 DEFER_MAX = 64  # head rows kept back for the next draft decode before `process` decodes them itself
@@ -80,12 +80,7 @@ class HeadDrafter(Drafter):
     samples = False  # draws sampled drafts (returns q) where verification is by rejection
 
     def __init__(self, ctx: HeadContext, target: Context, params: SpecParams, n_seq: int, n_max: int, p_min: float):
-        if ctx.n_seq != n_seq or target.n_seq != n_seq:
-            raise SpecCliError(f"{self.name}: the head's context has {ctx.n_seq} sequences, the target "
-                               f"{target.n_seq}, expected {n_seq}")
-        if ctx.n_ctx_seq < target.n_ctx_seq:
-            raise SpecCliError(f"{self.name}: the head's context must hold as many positions per sequence as the "
-                               "target's")
+        check_own_context(self.name, "head", ctx, target, n_seq)
         ctx.clear()  # a fresh drafter: no head row is final yet (n_done)
         self.ctx, self.target, self.params = ctx, target, params
         self.n_max, self.p_min = n_max, p_min
