@@ -39,7 +39,14 @@ from spec_cli.model.transformer import apply_rope, rope_tables
 from spec_cli.options import train_default
 from spec_cli.train.data import ProgressFn
 from spec_cli.train.eagle3 import fit_fc, target_rows
-from spec_cli.train.eagle3_data import UNKNOWN, Windows, cached_windows, draft_vocabulary
+from spec_cli.train.eagle3_data import (
+    UNKNOWN,
+    Windows,
+    cached_windows,
+    draft_row_index,
+    draft_rows,
+    draft_vocabulary,
+)
 from spec_cli.train.loop import Loop, TrainResult, acceptance, train_and_estimate, window_batches
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # SpecForge's loss decay per block size; others: B / 2
@@ -176,7 +183,7 @@ def block_labels(top1: torch.Tensor, anchors: torch.Tensor, B: int, rows_of: tor
     at = anchors[..., None] + torch.arange(B - 1, device=top1.device)  # top1 index of row k: a + k - 1
     labels = top1.gather(1, at.clamp_max(T - 1).view(top1.shape[0], -1)).view(at.shape)
     labels = torch.where((at < T) & (labels != UNKNOWN), labels, UNKNOWN)
-    return torch.where(labels == UNKNOWN, -1, rows_of[labels.clamp_min(0)])
+    return draft_rows(labels, rows_of)
 
 
 def sample_anchors(top1: torch.Tensor, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,8 +255,7 @@ def train(loaded: LoadedModel, out_path: str | Path, cfg: DFlashTrainConfig, pro
     mask = tcfg.n_vocab - 1 if cfg.mask_token is None else cfg.mask_token
     train_w, held = cached_windows(loaded, layers, cfg, out_path, resume, progress)
     d2t = draft_vocabulary(train_w.top1, tcfg.n_vocab, cfg.draft_vocab)
-    rows_of = torch.full((tcfg.n_vocab,), -1, dtype=torch.long)  # token -> draft row, -1 outside
-    rows_of[torch.tensor(d2t)] = torch.arange(len(d2t))
+    rows_of = draft_row_index(d2t, tcfg.n_vocab)
     layout = DFlashLayout(layers, tcfg.n_embd, cfg.block_size, mask)
     head = init_head(loaded, train_w, layout, cfg.draft_layers, d2t, cfg, loaded.model.output_device)
     loop = Loop(head, cfg.steps, cfg.lr, out_path.with_suffix(".ckpt.pt"), cfg.checkpoint_every, clip=1.0,

@@ -39,7 +39,14 @@ from spec_cli.model.quants import load_tensor
 from spec_cli.model.transformer import apply_rope
 from spec_cli.options import train_default
 from spec_cli.train.data import ProgressFn
-from spec_cli.train.eagle3_data import UNKNOWN, Windows, cached_windows, draft_vocabulary
+from spec_cli.train.eagle3_data import (
+    UNKNOWN,
+    Windows,
+    cached_windows,
+    draft_row_index,
+    draft_rows,
+    draft_vocabulary,
+)
 from spec_cli.train.loop import Loop, TrainResult, acceptance, train_and_estimate, window_batches
 
 STEP_DECAY = 0.8  # weight of training-time-test step j: 0.8^j
@@ -155,8 +162,7 @@ class Teacher:
     def __init__(self, loaded: LoadedModel, d2t: list[int], device: torch.device):
         self.norm = loaded.model.norm
         self.rows = target_rows(loaded, d2t).to(device)  # [V_d, D]
-        self.index = torch.full((loaded.config.n_vocab,), -1, dtype=torch.long)  # token -> draft row, -1 outside
-        self.index[torch.tensor(d2t)] = torch.arange(len(d2t))
+        self.index = draft_row_index(d2t, loaded.config.n_vocab)
 
     def probs(self, final: torch.Tensor) -> torch.Tensor:
         """final [B, T, D] -> the target's next-token distribution over the draft vocabulary [B, T, V_d]."""
@@ -166,7 +172,7 @@ class Teacher:
 
     def rows_of(self, top1: torch.Tensor) -> torch.Tensor:
         """[...] target next tokens -> their draft rows, -1 where unknown or outside the draft vocabulary."""
-        return torch.where(top1 == UNKNOWN, -1, self.index[top1.clamp_min(0)])
+        return draft_rows(top1, self.index)
 
 
 def ttt_states(head: Eagle3Head, tokens: torch.Tensor, g0: torch.Tensor, n_steps: int) -> list[torch.Tensor]:

@@ -117,6 +117,19 @@ def draft_vocabulary(top1: torch.Tensor, n_vocab: int, size: int) -> list[int]:
     return sorted(torch.argsort(-counts, stable=True)[:size].tolist())
 
 
+def draft_row_index(d2t: list[int], n_vocab: int) -> torch.Tensor:
+    """[n_vocab] token -> its row in the draft vocabulary `d2t`, -1 outside it."""
+    index = torch.full((n_vocab,), -1, dtype=torch.long)
+    index[torch.tensor(d2t)] = torch.arange(len(d2t))
+    return index
+
+
+def draft_rows(tokens: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[...] target tokens (UNKNOWN where the target chose none) -> their draft rows through `index`
+    (draft_row_index), -1 where unknown or outside the draft vocabulary."""
+    return torch.where(tokens == UNKNOWN, -1, index[tokens.clamp_min(0)])
+
+
 def cached_windows(loaded: LoadedModel, layers: tuple[int, ...], cfg, out_path: Path, resume: bool,
                    progress: ProgressFn | None) -> tuple[Windows, Windows]:
     """The training and held-out windows of a trainer's settings (`cfg`: seq_len, batch, data_tokens, gen_tokens,
