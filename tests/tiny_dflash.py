@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType, GGUFWriter
 
+from spec_cli.model.head_file import finish
 from tests.tiny_eagle3 import EPS, ROPE_BASE, _rms, _rope_half
-from tests.tiny_gguf import add_metadata
+from tests.tiny_gguf import add_metadata, target_matrices
 from tests.tiny_vocab import tiny_bpe_metadata
 
 H, N_HEAD, N_KV, HEAD_DIM, N_FF = 64, 4, 2, 16, 96
@@ -68,8 +69,6 @@ def write_tiny_dflash(path: Path, target_path: Path, layers=(1, 2, 4), block_siz
     """A random drafter for the tiny target at `target_path`. `n_draft`: an own output over that many draft tokens
     (d2t), None = the target's output matrix. `pr_branch`: the early PR branches' names (dflash.target_layer_ids as
     Hugging Face ids, dflash.mask_token_id, hidden_norm.weight)."""
-    from spec_cli.model.gguf_file import GGUFFile
-    from spec_cli.model.quants import load_tensor
 
     vocab = tiny_bpe_metadata()
     hf, d2t = hf_weights(np.random.default_rng(seed), len(vocab["tokenizer.ggml.tokens"]), n_layer, len(layers),
@@ -90,14 +89,9 @@ def write_tiny_dflash(path: Path, target_path: Path, layers=(1, 2, 4), block_siz
         vocab = {**vocab, "tokenizer.ggml.mask_token_id": MASK}
     add_metadata(writer, {**vocab, **(extra_keys or {})})
     _add_tensors(writer, hf, n_layer, d2t, pr_branch, qtype, extra_tensors or {})
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    tgt = GGUFFile(target_path)
-    read = lambda name: load_tensor(tgt, name).numpy()  # noqa: E731
-    return TinyDFlash(Path(path), tuple(layers), block_size, hf, n_layer, d2t, read("token_embd.weight"),
-                      read("output.weight"))
+    finish(writer)
+    embd, out = target_matrices(target_path)
+    return TinyDFlash(Path(path), tuple(layers), block_size, hf, n_layer, d2t, embd, out)
 
 
 def write_tiny_dspark(path, target, anchor_first: bool | None = True, confidence: bool = True, seed: int = 5,

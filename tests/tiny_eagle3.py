@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType, GGUFWriter
 
-from tests.tiny_gguf import add_metadata
+from spec_cli.model.head_file import finish
+from tests.tiny_gguf import add_metadata, target_matrices
 from tests.tiny_vocab import tiny_bpe_metadata
 
 H, N_HEAD, N_KV, HEAD_DIM, N_FF = 64, 4, 2, 16, 96
@@ -71,8 +72,6 @@ def write_tiny_eagle3(path: Path, target_path: Path, layers=(1, 2, 3), seed: int
     """A random head for the tiny target at `target_path`. `n_draft`: an own output over that many draft tokens,
     None = the target's output matrix. `pr_branch`: the early PR branches' names (extract_layers,
     blk.0.hidden_norm, d2t as offsets)."""
-    from spec_cli.model.gguf_file import GGUFFile
-    from spec_cli.model.quants import load_tensor
 
     vocab = tiny_bpe_metadata()
     hf, d2t = hf_weights(np.random.default_rng(seed), len(vocab["tokenizer.ggml.tokens"]), target_hidden, n_draft,
@@ -92,14 +91,10 @@ def write_tiny_eagle3(path: Path, target_path: Path, layers=(1, 2, 3), seed: int
             writer.add_bool(f"eagle3.{flag}", True)
     add_metadata(writer, vocab)
     _add_tensors(writer, hf, d2t, pr_branch, qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    tgt = GGUFFile(target_path)
-    read = lambda name: load_tensor(tgt, name).numpy()  # noqa: E731
+    finish(writer)
+    embd, out = target_matrices(target_path)
     return TinyEagle3(Path(path), tuple(layers), hf, d2t, norm_before_residual, norm_before_fc,
-                      read("token_embd.weight"), read("output.weight"))
+                      embd, out)
 
 
 def _add_tensors(writer: GGUFWriter, hf: dict[str, np.ndarray], d2t: list[int] | None, pr_branch: bool,
@@ -193,8 +188,5 @@ def rewritten(src: Path, dst: Path, drop: tuple[str, ...] = (), arrays: dict[str
             writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
     for name, arr in arrays.items():
         writer.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return Path(dst)

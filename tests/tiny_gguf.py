@@ -60,6 +60,16 @@ def random_blocks(qtype: GGMLQuantizationType, shape: tuple[int, int], std: floa
     return blocks.reshape(N, -1)
 
 
+def target_matrices(target_path) -> tuple[np.ndarray, np.ndarray]:
+    """A target GGUF's embedding and output matrices as float arrays [n_vocab, n_embd] (the heads' tests share them
+    with the target)."""
+    from spec_cli.model.gguf_file import GGUFFile
+    from spec_cli.model.quants import load_tensor
+
+    target = GGUFFile(target_path)
+    return load_tensor(target, "token_embd.weight").numpy(), load_tensor(target, "output.weight").numpy()
+
+
 def add_metadata(w: GGUFWriter, meta: dict) -> None:
     for key, value in meta.items():
         if isinstance(value, bool):
