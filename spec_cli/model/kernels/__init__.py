@@ -64,6 +64,8 @@ if _lib is not None:
     _lib.sc_quantize_row.argtypes = [ctypes.c_int, _vp, _i64, _vp, _vp, _vp, _vp]
     _lib.sc_pack_x8.argtypes = [ctypes.c_int, _vp, _i64, _i64, _vp]
     _lib.sc_pack_x8.restype = ctypes.c_int
+    _lib.sc_int8_peak.argtypes = [_i64]
+    _lib.sc_int8_peak.restype = ctypes.c_double
 
 _state = {"threads": 0, "avx2": True, "vnni": True}
 
@@ -109,6 +111,13 @@ def has_vnni() -> bool:
     return _lib is not None and bool(_lib.sc_has_vnni())
 
 
+def int8_peak(rounds: int = 2_000_000) -> float:
+    """int8 products per second of the multiply instruction the packed products use (AVX-512 VNNI vpdpbusd, else
+    AVX2 vpmaddubsw), 16 independent chains on each of torch's threads at once; 0.0 without AVX2."""
+    _sync_threads()
+    return _lib.sc_int8_peak(rounds)
+
+
 def _sync_threads() -> None:
     n = torch.get_num_threads()
     if n != _state["threads"]:
@@ -119,7 +128,7 @@ def _sync_threads() -> None:
 MAX_SEGMENTS = 8  # ScLinear's arrays (kernels.cpp MAX_SEG)
 X8 = 256  # type id offset of rows repacked 8 at a time (kernels.cpp X8)
 HUGE_PAGE = 2 << 20  # bytes of an x86-64 transparent huge page
-PACKED_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K})  # those with an X8 layout
+PACKED_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K})  # those with an X8 layout
 
 
 def pack(segments: list[tuple[GGMLQuantizationType, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:

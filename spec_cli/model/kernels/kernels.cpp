@@ -225,7 +225,7 @@ bool g_use_vnni = false;  // AVX-512 VNNI for the X8 products (implies g_use_avx
 enum : int { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 // Rows repacked 8 at a time by sc_pack_x8 (ggml's CPU backend repacks Q4_0/Q4_K the same way for AVX2): type id
-// X8 + the GGML id of the rows' type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K). A group of 8 rows holds, per block of
+// X8 + the GGML id of the rows' type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K). A group of 8 rows holds, per block of
 // the type, its 8 blocks' bytes regrouped (as many bytes as the rows), field by field (x8_fields): the 8 fp16
 // scales d side by side, then the 8 minimums (Q4_1/Q5_1: m, Q4_K: dmin), then per row 32-bit words in turn
 // (Q5_0/Q5_1: the 32 high bits qh; Q4_K: the 12 scale bytes as three words), word i of row c at 4 (8 i + c), then
@@ -237,8 +237,24 @@ enum : int { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
 // 32 j + 8 g + 7 in run 4 j + g (low nibbles: sub-block 2 j, high: 2 j + 1), so that one broadcast of 8 activation
 // bytes serves a whole AVX-512 vector (x8_kernels.h dot_q4k_x8). Q5_0/Q5_1's qh bits are reordered too
 // (q5_bit): the fifth bits of run g's 4 bytes sit where one shift and one mask put them at bit 4 of each byte.
-// (Q6_K stays as it is: regrouped the same way it measured slower for one row on Zen 4.)
+// Q6_K (1680 bytes a group block, Q6K_X8): the 8 fp16 d, the int8 scales (sub-block j of row c at 8 j + c), then its
+// 6-bit codes v rebuilt into 8-byte units per row (row c at 8 c) as Q4_K's runs are: 16 runs of 64 bytes of low
+// nibbles, run t holding values 16 t .. 16 t + 7 (low nibbles) and 16 t + 8 .. 16 t + 15 (high nibbles) of sub-block
+// t, then 8 runs of 64 bytes of the 2 high bits, run u holding at bits 2 k, 2 k + 1 those of values 32 u + 8 k + i
+// (i = 0..7). One 64-byte load then holds 8 consecutive values of all 8 rows.
 constexpr int X8 = 256;
+
+// A Q6_K X8 group block: offsets of the scales, the low-nibble runs and the high-bit runs
+struct Q6K_X8 {
+    static constexpr int bytes = 8 * 210, scales = 16, nibbles = 144, high = nibbles + 16 * 64;
+};
+
+// the 6-bit code of value i (0..255) of row c in a Q6_K X8 group block
+inline int q6k_x8_code(const uint8_t* blk, int c, int i) {
+    const int unit = 8 * c + i % 8;
+    const int nib = blk[Q6K_X8::nibbles + 64 * (i / 16) + unit] >> (i % 16 / 8 * 4) & 0xF;
+    return nib | (blk[Q6K_X8::high + 64 * (i / 32) + unit] >> (i % 32 / 8 * 2) & 3) << 4;
+}
 
 // Where value i's fifth bit of a Q5_0/Q5_1 block goes in its X8 qh word: value i is nibble i / 16 of the byte i % 4
 // of run i % 16 / 4 (a 32-bit lane per row), and its bit goes to that byte at bit 2 (run) + nibble
@@ -374,7 +390,7 @@ void dot_scalar(int R, int wtype, const uint8_t* w, const ActRows& a, const int6
                 const float wv = wtype == F32 ? ((const float*)w)[k] : h2f(w + 2 * k);
                 acc += wv * x[k];
             }
-        } else {  // Q5_K, Q6_K against Q8_K (Q4_K and the 32-value block types are packed: dot_x8_rows)
+        } else {  // Q5_K against Q8_K (Q4_K, Q6_K and the 32-value block types are packed: dot_x8_rows)
             const float* d = a.d + m * a.nd();
             const int16_t* isum = a.isum + m * a.ns();
             const int bs = (int)row_bytes(wtype, 256);
@@ -383,34 +399,10 @@ void dot_scalar(int R, int wtype, const uint8_t* w, const ActRows& a, const int6
                 const int8_t* qb = q + b * 256;
                 const int16_t* bsum = isum + b * 24;
                 int sumi = 0, summ = 0;
-                float dw, dminw = 0;
-                if (wtype == Q6_K) {
-                    const uint8_t* ql = blk;
-                    const uint8_t* qh = blk + 128;
-                    const int8_t* sc = (const int8_t*)(blk + 192);
-                    dw = h2f(blk + 208);
-                    for (int half = 0; half < 2; half++) {
-                        for (int l = 0; l < 32; l++) {
-                            const int is = l / 16;
-                            const int v1 = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
-                            const int v2 = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
-                            const int v3 = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
-                            const int v4 = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
-                            sumi += sc[is] * v1 * qb[l] + sc[is + 2] * v2 * qb[l + 32] + sc[is + 4] * v3 * qb[l + 64] +
-                                    sc[is + 6] * v4 * qb[l + 96];
-                        }
-                        for (int g = 0; g < 8; g++) summ += 32 * sc[g] * bsum[half * 8 + g];
-                        ql += 64; qh += 32; sc += 8; qb += 128;
-                    }
-                    acc += (dw * d[b]) * (float)(sumi - summ);
-                    continue;
-                }
-                dw = h2f(blk);
-                dminw = h2f(blk + 2);
+                const float dw = h2f(blk), dminw = h2f(blk + 2);
                 const uint8_t* scales = blk + 4;
-                const bool five = wtype == Q5_K;
                 const uint8_t* qh = blk + 16;
-                const uint8_t* qs = blk + 16 + (five ? 32 : 0);
+                const uint8_t* qs = blk + 48;
                 int sc_all[8], mn_all[8];
                 q4k_scales(scales, sc_all, mn_all);
                 for (int j = 0; j < 8; j++) {
@@ -418,8 +410,7 @@ void dot_scalar(int R, int wtype, const uint8_t* w, const ActRows& a, const int6
                     const uint8_t* qq = qs + (j / 2) * 32;
                     int s = 0;
                     for (int l = 0; l < 32; l++) {
-                        int v = (j & 1) ? (qq[l] >> 4) : (qq[l] & 0xF);
-                        if (five) v |= ((qh[l] >> j) & 1) << 4;
+                        const int v = ((j & 1) ? (qq[l] >> 4) : (qq[l] & 0xF)) | ((qh[l] >> j) & 1) << 4;
                         s += v * qb[j * 32 + l];
                     }
                     sumi += sc * s;
@@ -513,6 +504,32 @@ void dot_q4k_x8_scalar(int R, const uint8_t* w, const ActRows& a, const int64_t*
                 accm = std::fma(h2f(blk + 16 + 2 * c) * d[b], (float)summ, accm);
             }
             out[r * 8 + c] = acc - accm;
+        }
+    }
+}
+
+// Q6_K X8 groups against Q8_K: out[r * 8 + c] = dot(row c of the group, activation row r). Per block the exact
+// integer sum of scale x (codes . activation codes) less 32 x scale x (sums of the activation codes), then one fused
+// multiply-add, as x8_kernels.h dot_q6k_x8 computes it, so the two give the same bits.
+void dot_q6k_x8_scalar(int R, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
+    const int64_t K = a.K, nb = K / 256;
+    for (int r = 0; r < R; r++) {
+        const int8_t* q = a.q + rows[r] * K;
+        const float* d = a.d + rows[r] * nb;
+        const int16_t* isum = a.isum + rows[r] * nb * 24;
+        for (int c = 0; c < 8; c++) {
+            float acc = 0;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t* blk = w + b * Q6K_X8::bytes;
+                int sumi = 0;
+                for (int j = 0; j < 16; j++) {
+                    int s = 0;
+                    for (int i = 16 * j; i < 16 * j + 16; i++) s += q6k_x8_code(blk, c, i) * q[b * 256 + i];
+                    sumi += (int8_t)blk[Q6K_X8::scales + 8 * j + c] * (s - 32 * isum[b * 24 + j]);
+                }
+                acc = std::fma(h2f(blk + 2 * c) * d[b], (float)sumi, acc);
+            }
+            out[r * 8 + c] = acc;
         }
     }
 }
@@ -764,7 +781,6 @@ template <int R>
 SC_AVX2 void dot_avx2(int wtype, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
     switch (wtype) {
         case Q5_K: return dot_q45k_avx2<R, Q5_K>(w, a, rows, out);
-        case Q6_K: return g_use_vnni ? x8_vnni::dot_q6k<R>(w, a, rows, out) : x8_avx2::dot_q6k<R>(w, a, rows, out);
         case F32: return dot_float_avx2<R, F32>(w, a, rows, out);
         case F16: return dot_float_avx2<R, F16>(w, a, rows, out);
     }
@@ -867,7 +883,7 @@ void dot_rows(int R, int wtype, const uint8_t* w, const ActRows& a, const int64_
     dot_scalar(R, wtype, w, a, rows, out);
 }
 
-// activation rows per pass over a group of 8 packed weight rows or over a Q6_K row: as many as the registers hold
+// activation rows per pass over a group of 8 packed weight rows: as many as the registers hold
 // (AVX-512 has 32 vector registers, AVX2 16); the rows' arithmetic does not depend on it
 int register_rows() { return g_use_vnni ? 8 : 4; }
 
@@ -903,6 +919,7 @@ void dot_x8_rows(int R, int wtype, const uint8_t* w, const ActRows& a, const int
         case Q5_1: return dot32_x8_scalar<Q5_1>(R, w, a, rows, out);
         case Q8_0: return dot32_x8_scalar<Q8_0>(R, w, a, rows, out);
         case Q4_K: return dot_q4k_x8_scalar(R, w, a, rows, out);
+        case Q6_K: return dot_q6k_x8_scalar(R, w, a, rows, out);
     }
 }
 
@@ -957,6 +974,26 @@ int sc_has_avx2() {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #else
     return 0;
+#endif
+}
+
+// int8 products per second of the multiply instruction the packed products use (multiply_chains), every kernel
+// thread running `rounds` rounds at once; 0 without AVX2
+double sc_int8_peak(int64_t rounds) {
+#if SC_X86
+    if (!g_use_avx2) return 0;
+    std::atomic<int64_t> products{0};
+    int32_t sinks[64] = {};
+    const std::function<void(int64_t)> fn = [&](int64_t t) {
+        products += g_use_vnni ? x8_vnni::multiply_chains(rounds, sinks + t % 64)
+                               : x8_avx2::multiply_chains(rounds, sinks + t % 64);
+    };
+    const auto t0 = std::chrono::steady_clock::now();
+    pool().run(g_threads, g_threads, fn);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return (double)products.load() / s;
+#else
+    return rounds * 0.0;
 #endif
 }
 
@@ -1034,7 +1071,7 @@ int sc_linear(const ScLinear* w, const float* x, int64_t M, float* y, int64_t ld
                 const bool x8 = wt >= X8;
                 const int64_t first = x8 ? col0[seg] + (n - col0[seg]) / 8 * 8 : n;
                 const int64_t end = x8 ? std::min({n1, first + 8, col0[seg + 1]}) : n + 1;
-                const int width = x8 ? 8 : 1, max_r = x8 || wt == Q6_K ? register_rows() : MAX_R;
+                const int width = x8 ? 8 : 1, max_r = x8 ? register_rows() : MAX_R;
                 const uint8_t* w_at = (const uint8_t*)weights[seg] + (first - col0[seg]) * seg_bytes[seg];
                 for (int64_t m = m0; m < m1; m += max_r) {
                     const int R = (int)std::min<int64_t>(max_r, m1 - m);
@@ -1294,7 +1331,8 @@ struct Field { int offset, bytes, unit; };
 const std::vector<Field>* x8_fields(int wtype) {
     static const std::vector<Field> q4_0{{0, 2, 2}, {2, 16, 4}}, q4_1{{0, 2, 2}, {2, 2, 2}, {4, 16, 4}},
         q5_0{{0, 2, 2}, {2, 4, 4}, {6, 16, 4}}, q5_1{{0, 2, 2}, {2, 2, 2}, {4, 4, 4}, {8, 16, 4}},
-        q8_0{{0, 2, 2}, {2, 32, 4}}, q4_k{{0, 2, 2}, {2, 2, 2}, {4, 12, 4}, {16, 128, 8}};
+        q8_0{{0, 2, 2}, {2, 32, 4}}, q4_k{{0, 2, 2}, {2, 2, 2}, {4, 12, 4}, {16, 128, 8}},
+        q6_k{{208, 2, 2}, {192, 16, 1}};  // and the codes, rebuilt by pack_q6k_codes
     switch (wtype) {
         case Q4_0: return &q4_0;
         case Q4_1: return &q4_1;
@@ -1302,7 +1340,26 @@ const std::vector<Field>* x8_fields(int wtype) {
         case Q5_1: return &q5_1;
         case Q8_0: return &q8_0;
         case Q4_K: return &q4_k;
+        case Q6_K: return &q6_k;
         default: return nullptr;
+    }
+}
+
+// the 6-bit codes of 8 Q6_K blocks (row c's at rows + c * stride) into a Q6_K X8 group block's runs (Q6K_X8)
+void pack_q6k_codes(const uint8_t* rows, int64_t stride, uint8_t* block) {
+    std::memset(block + Q6K_X8::nibbles, 0, Q6K_X8::bytes - Q6K_X8::nibbles);
+    for (int c = 0; c < 8; c++) {
+        const uint8_t* src = rows + c * stride;
+        for (int i = 0; i < 256; i++) {
+            // ggml's order: per half h of 128 values, value 128 h + 32 k + l takes its low nibble from ql byte
+            // 64 h + l + 32 (k % 2) (k >= 2: the high nibble) and its high bits from qh byte 32 h + l at bits 2 k
+            const int h = i / 128, k = i % 128 / 32, l = i % 32;
+            const int nib = src[64 * h + l + 32 * (k % 2)] >> (4 * (k / 2)) & 0xF;
+            const int high = src[128 + 32 * h + l] >> (2 * k) & 3;
+            const int unit = 8 * c + i % 8;
+            block[Q6K_X8::nibbles + 64 * (i / 16) + unit] |= nib << (i % 16 / 8 * 4);
+            block[Q6K_X8::high + 64 * (i / 32) + unit] |= high << (i % 32 / 8 * 2);
+        }
     }
 }
 
@@ -1330,6 +1387,7 @@ int sc_pack_x8(int wtype, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst
                 }
                 o += 8 * f.bytes;
             }
+            if (wtype == Q6_K) pack_q6k_codes(rows + b * bs, rb, block);
             if (wtype == Q5_0 || wtype == Q5_1) {  // the qh words' bits in q5_bit's order
                 uint8_t* words = block + (wtype == Q5_0 ? X32<Q5_0>::qh : X32<Q5_1>::qh);
                 for (int c = 0; c < 8; c++) {
