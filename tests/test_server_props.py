@@ -1,5 +1,6 @@
 """GET /props through a real uvicorn server: llama-server's fields, the speculative settings, each slot's draft counters
-and drafter state, and the memory of every model."""
+and drafter state, the memory of every model and of the suffix drafter's store, and the vocabulary bridge of a draft
+model with another vocabulary."""
 
 from __future__ import annotations
 
@@ -7,10 +8,15 @@ import httpx
 import pytest
 
 from spec_cli.model.gguf_file import GGUFFile
+from spec_cli.options import SUFFIX_CACHE_TOKENS
+from spec_cli.runtime.memory import SUFFIX_PART
 from spec_cli.server import ServerSettings
 from spec_cli.text.tokenizer import Tokenizer
 from tests.server_harness import N_CTX_SLOT, PROMPTS, LiveServer, make_session
 from tests.test_memory import kv_bytes
+from tests.tiny_gguf import N_VOCAB, RENAMED
+
+INT32 = 4  # bytes of a token id in the suffix drafter's buffers
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +73,55 @@ def test_props_gives_the_memory_of_each_model(served):
     for name in ("target", "draft"):
         assert memory[name]["kv"] == kv_bytes(2 * N_CTX_SLOT, n_seq=2) and memory[name]["weights"] > 0
     assert memory["total"]["kv"] == 2 * kv_bytes(2 * N_CTX_SLOT, n_seq=2)
+
+
+@pytest.fixture(scope="module")
+def bridged(tiny_model_path, tiny_other_vocab_path):
+    """A server drafting with suffix and with a draft model of another vocabulary (tiny_gguf.write_other_vocab)."""
+    session = make_session(tiny_model_path, n_seq=2, spec_types="suffix,draft-simple", draft=tiny_other_vocab_path)
+    with LiveServer(session) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        yield c
+
+
+def complete(client: httpx.Client, prompt: str, spec_type: str, n_predict: int = 32) -> dict:
+    body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "id_slot": 0,
+            "speculative": {"types": [spec_type]}}
+    r = client.post("/completion", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_props_gives_the_vocabulary_bridge_and_its_mapped_tokens(bridged):
+    """RENAMED's tokens have no counterpart; 119 ('w') is the tiny target's most frequent output token: drafts after
+    "The quick brown fox jumps" end at it."""
+    before = bridged.get("/props").json()["speculative"]["draft_vocabulary"]
+    assert before["shared_tokens"] == N_VOCAB - len(RENAMED)
+    assert 0.5 * before["common_of"] <= before["common_shared"] <= before["common_of"] and before["common_of"] > 0
+    drafted = 0
+    for prompt in ("abc abc abc abc abc", "The quick brown fox jumps"):
+        drafted += complete(bridged, prompt, "draft-simple")["timings"]["draft_n"]
+    after = bridged.get("/props").json()["speculative"]["draft_vocabulary"]
+    assert set(after) == {"shared_tokens", "common_shared", "common_of", "n_mapped", "n_unmapped"}
+    assert [after[k] for k in ("shared_tokens", "common_shared", "common_of")] == \
+        [before[k] for k in ("shared_tokens", "common_shared", "common_of")]  # the bridge's, fixed at load
+    n_mapped, n_unmapped = after["n_mapped"] - before["n_mapped"], after["n_unmapped"] - before["n_unmapped"]
+    assert drafted > 0 and n_mapped >= drafted and n_unmapped > 0
+
+
+def test_props_gives_the_suffix_stores_memory_as_it_grows(bridged):
+    """Each finished request's output joins the shared store, one int32 a token and one for its separator; the slot's
+    own text stays within the buffer its first request allocated."""
+    complete(bridged, PROMPTS[0], "suffix")
+    before = bridged.get("/props").json()["memory"]
+    out = complete(bridged, PROMPTS[1], "suffix")
+    after = bridged.get("/props").json()["memory"]
+    store = after[SUFFIX_PART]
+    assert store["devices"] == ["cpu"] and (store["weights"], store["kv"]) == (0, 0)
+    assert store["store"] - before[SUFFIX_PART]["store"] == INT32 * (out["tokens_predicted"] + 1)
+    assert store["store"] <= INT32 * (SUFFIX_CACHE_TOKENS + 2 * (N_CTX_SLOT + 1))  # runtime/memory.py's estimate
+    assert after["total"]["store"] == store["store"]
+    assert {k: v for k, v in after.items() if k not in (SUFFIX_PART, "total")} == \
+        {k: v for k, v in before.items() if k not in (SUFFIX_PART, "total")}
 
 
 def test_props_needs_the_api_key(served):

@@ -19,10 +19,11 @@ SCRIPT = Path(sys.executable).with_name("spec-cli")  # the installed console scr
 # "1 2 3" three times: followed by "4 5 6", "4 5 7" and "4 8"; the last two after "9 1 2 3", like the pattern
 HISTORY = [1, 2, 3, 4, 5, 6, 9, 1, 2, 3, 4, 5, 7, 9, 1, 2, 3, 4, 8, 9, 1, 2]
 ID_LAST = 3
+N_CTX_SEQ = 1024  # each sequence's context: more than any history here
 
 
 def make(n_seq=1, **settings):
-    return SuffixDrafter(SpecParams(**{f"suffix_{k}": v for k, v in settings.items()}), n_seq)
+    return SuffixDrafter(SpecParams(**{f"suffix_{k}": v for k, v in settings.items()}), n_seq, N_CTX_SEQ)
 
 
 def draft(drafter, history, id_last, seq=0, n_max=16):

@@ -125,9 +125,7 @@ class RunResult:
                 time_split_ms={k: round(v, 3) for k, v in self.timings.items()},
             )
         if engine.draft_bridge is not None:  # a draft model with another vocabulary (vocab_bridge.py)
-            shared, of = engine.draft_bridge.shared_common
-            out["draft_vocabulary"] = {"shared_tokens": engine.draft_bridge.n_shared, "common_shared": shared,
-                                       "common_of": of}
+            out["draft_vocabulary"] = engine.draft_bridge.figures()
         return out
 
 

@@ -29,19 +29,30 @@ def run_table(d: dict) -> Table:
 
 
 def memory_table(memory: dict) -> Table:
-    """Bytes of weights and KV cache per model and head (runtime/memory.py), in MiB."""
+    """Bytes of weights and KV cache per model and head, and of the suffix drafter's token store where one is loaded
+    (runtime/memory.py), in MiB."""
     t = Table(title="memory", title_justify="left", header_style="bold")
-    for col in ("", "device", "weights MiB", "KV cache MiB"):
+    kinds = _memory_kinds(memory)
+    for col in ("", "device", *(f"{label} MiB" for label in kinds.values())):
         t.add_column(col, justify="right" if col.endswith("MiB") else "left")
     for name, part in memory.items():
-        t.add_row(name, "+".join(part.get("devices", [])), f"{part['weights'] / MIB:.1f}", f"{part['kv'] / MIB:.1f}")
+        t.add_row(name, "+".join(part.get("devices", [])), *(f"{part[kind] / MIB:.1f}" for kind in kinds))
     return t
 
 
 def memory_lines(memory: dict) -> str:
     """The memory figures as llama.cpp-style lines (`--log-format text`)."""
-    return "".join(f"memory: {name:<11} weights = {part['weights'] / MIB:9.2f} MiB, KV cache = {part['kv'] / MIB:9.2f} "
-                   "MiB\n" for name, part in memory.items())
+    kinds = _memory_kinds(memory)
+    return "".join(f"memory: {name:<11} " + ", ".join(f"{label} = {part[kind] / MIB:9.2f} MiB"
+                                                       for kind, label in kinds.items()) + "\n"
+                   for name, part in memory.items())
+
+
+def _memory_kinds(memory: dict) -> dict[str, str]:
+    """The figures shown and their labels: the token store's only where the suffix drafter is loaded."""
+    from spec_cli.runtime.memory import KINDS, SUFFIX_PART  # torch loads in a command that runs, not at --help
+
+    return {kind: label for kind, label in KINDS.items() if kind != "store" or SUFFIX_PART in memory}
 
 
 def speculation_table(d: dict) -> Table:

@@ -26,7 +26,7 @@ def server(opts: dict) -> int:
     SIGTERM or SIGINT (^C) stops it: requests in flight get a few seconds to finish, then a 503; the exit status is
     0 after SIGTERM and 130 after SIGINT."""
     from spec_cli.cli.settings import engine_options, sampling_params
-    from spec_cli.runtime.memory import measured, size
+    from spec_cli.runtime.memory import SUFFIX_PART, measured, size, suffix_store_estimate
     from spec_cli.runtime.session import open_session
     from spec_cli.server import ServerSettings, create_app
     from spec_cli.server.serve import serve
@@ -41,10 +41,14 @@ def server(opts: dict) -> int:
     session = open_session(engine_options(opts, n_seq=opts["parallel"]))
     app = create_app(session, settings)
     engine, types = session.engine, ",".join(session.types) or "none"
-    used = measured(engine, session.chain.drafters if session.chain else ())["total"]
+    memory = measured(engine, session.chain.drafters if session.chain else ())
+    used, store = memory["total"], ""
+    if SUFFIX_PART in memory:  # empty at the start: what it holds at its bounds
+        full = suffix_store_estimate(session.spec.suffix_cache_tokens, engine.ctx.n_seq, engine.ctx.n_ctx_seq)
+        store = f", suffix store {size(full)} when full"
     print(f"spec-cli server: http://{host}:{port}  model {engine.target.gguf.path.name}, {opts['parallel']} slots of "
           f"{engine.ctx.n_ctx_seq} tokens, --spec-type {types}; memory: weights {size(used['weights'])}, KV cache "
-          f"{size(used['kv'])}", file=sys.stderr)
+          f"{size(used['kv'])}{store}", file=sys.stderr)
     return serve(app, host, port)
 
 

@@ -10,12 +10,13 @@ keeps target weights in quantized blocks (as mtp_head.py, eagle3_file.py and dfl
 embedding tables (token_embd, DSpark's markov_w1) are float rows. The draft model's draft vocabulary (--draft-vocab)
 adds its share of the output rows, twice (the rows copied out and the kernels' packed copy of them). KV caches are
 exact (Context: [layers] x K and V of kv_shape, in the activations' dtype; a one-layer head's plus its feed of one
-n_embd row per cell; a DFlash drafter's layers, no feed). Free memory: MemAvailable of /proc/meminfo on the CPU, the
+n_embd row per cell; a DFlash drafter's layers, no feed). The suffix drafter's token store (`store`, host memory):
+its buffers at their bounds (suffix_store_estimate). Free memory: MemAvailable of /proc/meminfo on the CPU, the
 driver's free bytes on a CUDA device.
 
 Measured: every tensor the loaded modules hold, once (QLinear's packed copies, not the memory map they were made
 from; the embedding rows, which are read from it; a draft vocabulary's rows and their packed copy), and the contexts'
-KV (and feed) tensors.
+KV (and feed) tensors; the suffix drafter's buffers as they are when asked (they grow as requests run).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from math import prod
 
+import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
@@ -41,6 +43,7 @@ from spec_cli.model.loader import layer_devices, torch_device, weight_format
 from spec_cli.model.qlinear import QLinear, supports
 from spec_cli.runtime.draft_files import head_device
 from spec_cli.speculative.draft_model import DraftModelDrafter
+from spec_cli.speculative.suffix import SuffixDrafter
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -51,19 +54,23 @@ EMBEDDINGS = ("token_embd.weight", "markov_w1.weight")  # a head's own tables: f
 # the part of each head: the one-layer heads (HeadContext) and the DFlash drafter of either type (DFlashContext)
 HEAD_PARTS = {"draft-mtp": "mtp head", "draft-eagle3": "eagle3 head", "draft-dflash": "dflash head",
               "draft-dspark": "dflash head"}
+SUFFIX_PART = "suffix drafter"  # the suffix drafter's token store (host memory), a part of its own
+KINDS = {"weights": "weights", "kv": "KV cache", "store": "store"}  # a part's figures and how messages name them
 
 
 @dataclass
 class Part:
-    """One model or head of an engine: bytes of its weights and of its KV cache, per device name."""
+    """One model, head or drafter of an engine: bytes of its weights, of its KV cache and of a drafter's token store,
+    per device name."""
 
-    name: str  # target | draft | mtp head | eagle3 head
+    name: str  # target | draft | mtp head | eagle3 head | dflash head | suffix drafter
     weights: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     kv: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    store: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     def as_dict(self) -> dict:
-        return {"devices": sorted({*self.weights, *self.kv}), "weights": sum(self.weights.values()),
-                "kv": sum(self.kv.values())}
+        return {"devices": sorted({*self.weights, *self.kv, *self.store}),
+                **{kind: sum(getattr(self, kind).values()) for kind in KINDS}}
 
 
 # --- the estimate ---------------------------------------------------------------------------------------------------
@@ -170,7 +177,20 @@ def estimate(opts, target: GGUFFile, draft: GGUFFile | None, head: tuple[str, GG
             device = head_device(opts.device, opts.device_draft, opts.n_gpu_layers_draft)
         parts.append(head_part(HEAD_PARTS[kind], tensors, hcfg, device, kept_quantized(target, where),
                                where.float_size, n_ctx, opts.n_seq, feed=kind in ("draft-mtp", "draft-eagle3")))
+    if SuffixDrafter.name in opts.spec.types:
+        store = Part(SUFFIX_PART)
+        store.store["cpu"] = suffix_store_estimate(opts.spec.suffix_cache_tokens, opts.n_seq, n_ctx // opts.n_seq)
+        parts.append(store)
     return parts
+
+
+def suffix_store_estimate(cache_tokens: int, n_seq: int, n_ctx_seq: int) -> int:
+    """The suffix drafter's buffers at their bounds (speculative/suffix.py), int32 token ids, 4 bytes each: the
+    earlier outputs shared by every sequence, [cache_tokens] (--spec-suffix-cache-tokens), and each sequence's own
+    prompt and output with id_last's slot, [n_seq][n_ctx_seq + 1]. Left out: the SEPARATOR after each stored output
+    (one int32 per finished request, under 1 % for outputs of 100 tokens or more), the buffer's copy while an output
+    is added (TokenStore._keep builds the new buffer before dropping the old) and a draft's scan temporaries."""
+    return np.dtype(np.int32).itemsize * (cache_tokens + n_seq * (n_ctx_seq + 1))
 
 
 def check_fits(parts: list[Part], opts) -> None:
@@ -178,18 +198,19 @@ def check_fits(parts: list[Part], opts) -> None:
     free, naming every part's figures on that device."""
     need: dict[str, list[tuple[str, int]]] = defaultdict(list)
     for p in parts:
-        for kind, by_device in (("weights", p.weights), ("KV cache", p.kv)):
-            for device, n in by_device.items():
-                need[device].append((f"{p.name} {kind}", n))
+        for kind, label in KINDS.items():
+            for device, n in getattr(p, kind).items():
+                need[device].append((f"{p.name} {label}", n))
     for device, items in need.items():
         free = available(device)
         total = sum(n for _, n in items)
         if free is not None and total > free:
-            draft = " or leave out the draft" if len(parts) > 1 else ""
+            suffix = ", --spec-suffix-cache-tokens" if any(p.name == SUFFIX_PART for p in parts) else ""
+            draft = " or leave out the draft" if any(p.name != SUFFIX_PART for p in parts[1:]) else ""
             raise SpecCliError(
                 f"not enough memory on {device}: -c {opts.n_ctx} -np {opts.n_seq} needs {size(total)} "
-                f"({', '.join(f'{what} {size(n)}' for what, n in items)}) and {size(free)} is free: lower -c or "
-                f"-np{draft}")
+                f"({', '.join(f'{what} {size(n)}' for what, n in items)}) and {size(free)} is free: lower -c"
+                f"{suffix} or -np{draft}")
 
 
 def available(device: str) -> int | None:
@@ -215,8 +236,9 @@ def size(n: int) -> str:
 
 
 def measured(engine, drafters=()) -> dict[str, dict]:
-    """Each part of a loaded engine: {"devices", "weights", "kv"} in bytes, plus their "total". `drafters`: the
-    session's, whose own tensors (a draft vocabulary's output rows) count with the draft model."""
+    """Each part of a loaded engine: {"devices", "weights", "kv", "store"} in bytes, plus their "total". `drafters`:
+    the session's, whose own tensors (a draft vocabulary's output rows) count with the draft model and whose token
+    store (the suffix drafter's) is a part of its own."""
     seen = held(engine.target.model)
     parts = {"target": (seen, [engine.ctx])}
     if engine.draft is not None:
@@ -231,9 +253,19 @@ def measured(engine, drafters=()) -> dict[str, dict]:
         if ctx is not None:
             parts[name] = ({k: v for k, v in held(ctx.head).items() if k not in seen}, [ctx])
     out = {name: {"devices": sorted({d for d, _ in tensors} | {str(c.device) for c in ctxs}),
-                  "weights": sum(tensors.values()), "kv": sum(context_bytes(c) for c in ctxs)}
+                  "weights": sum(tensors.values()), "kv": sum(context_bytes(c) for c in ctxs), "store": 0}
            for name, (tensors, ctxs) in parts.items()}
-    out["total"] = {"weights": sum(p["weights"] for p in out.values()), "kv": sum(p["kv"] for p in out.values())}
+    return with_stores(out, drafters)
+
+
+def with_stores(memory: dict[str, dict], drafters) -> dict[str, dict]:
+    """`memory` (measured's) with the drafters' token stores as they are now, and the total again: the server
+    measures its models once and the suffix drafter's store, which grows as requests finish, at each /props."""
+    out = {name: part for name, part in memory.items() if name not in ("total", SUFFIX_PART)}
+    for d in drafters:
+        if isinstance(d, SuffixDrafter):
+            out[SUFFIX_PART] = {"devices": ["cpu"], "weights": 0, "kv": 0, "store": d.store_bytes()}
+    out["total"] = {kind: sum(p[kind] for p in out.values()) for kind in KINDS}
     return out
 
 

@@ -47,8 +47,8 @@ DrafterFactory = Callable[[DrafterInputs], Drafter]
 
 _FACTORIES: dict[str, DrafterFactory] = {  # the built-in types of options.py, by canonical name
     **{cls.name: (lambda inputs, cls=cls: cls(inputs.params, inputs.n_seq))
-       for cls in (NgramSimpleDrafter, NgramMapKDrafter, NgramMapK4vDrafter, NgramModDrafter, NgramCacheDrafter,
-                   SuffixDrafter)},
+       for cls in (NgramSimpleDrafter, NgramMapKDrafter, NgramMapK4vDrafter, NgramModDrafter, NgramCacheDrafter)},
+    "suffix": lambda inputs: SuffixDrafter(inputs.params, inputs.n_seq, inputs.target.n_ctx_seq),
     "draft-simple": lambda inputs: DraftModelDrafter(inputs.draft, inputs.params, inputs.n_seq, inputs.draft_bridge),
     "draft-mtp": lambda inputs: MTPDrafter(inputs.mtp, inputs.target, inputs.params, inputs.n_seq),
     "draft-eagle3": lambda inputs: Eagle3Drafter(inputs.eagle3, inputs.target, inputs.params, inputs.n_seq),

@@ -178,13 +178,15 @@ def speculate(buf: np.ndarray, pattern: list[int], n_max: int, settings: SuffixS
 class SuffixDrafter(HistoryDrafter):
     name = "suffix"
 
-    def __init__(self, params: SpecParams, n_seq: int) -> None:
+    def __init__(self, params: SpecParams, n_seq: int, n_ctx_seq: int) -> None:
         self.settings = SuffixSettings(params.suffix_max_depth, params.suffix_max_spec_factor,
                                        params.suffix_min_token_prob)
         self.outputs = TokenStore(params.suffix_cache_tokens)  # earlier requests' outputs, for every sequence
-        # per sequence: its prompt and committed output, then one slot for id_last (rewritten at every draft)
+        # per sequence: its prompt and committed output, then one slot for id_last (rewritten at every draft); a
+        # sequence's context bounds what it grows to (n_ctx_seq + 1 tokens: runtime/memory.py counts that)
         self.text = [np.empty(0, dtype=np.int32) for _ in range(n_seq)]
         self.n_text = [0] * n_seq
+        self.max_text = n_ctx_seq + 1
 
     def begin(self, seq: int, prompt: list[int]) -> None:
         self.n_text[seq] = 0
@@ -214,6 +216,11 @@ class SuffixDrafter(HistoryDrafter):
     def slot_info(self, seq: int) -> dict:
         return {"n_tokens": self.n_text[seq], "n_output_tokens": self.outputs.n_tokens}
 
+    def store_bytes(self) -> int:
+        """Bytes its token buffers hold now: the shared outputs with their separators, each sequence's text as
+        allocated (runtime/memory.py)."""
+        return self.outputs.buf.nbytes + sum(t.nbytes for t in self.text)
+
     def draft_one(self, p: DraftParams) -> list[int]:
         seq = p.seq
         if len(p.prompt) < self.n_text[seq]:  # not this request's history (no begin): start over from it
@@ -231,7 +238,7 @@ class SuffixDrafter(HistoryDrafter):
         n = self.n_text[seq]
         need = n + len(tokens) + 1
         if len(self.text[seq]) < need:
-            grown = np.empty(max(need, 2 * len(self.text[seq]), 256), dtype=np.int32)
+            grown = np.empty(max(need, min(max(2 * len(self.text[seq]), 256), self.max_text)), dtype=np.int32)
             grown[:n] = self.text[seq][:n]
             self.text[seq] = grown
         self.text[seq][n : n + len(tokens)] = tokens

@@ -126,6 +126,12 @@ class VocabBridge:
         self._unmapped: torch.Tensor | None = None  # unmapped_mask, on the device last asked for
         self._mapped: tuple[torch.Tensor, torch.Tensor] | None = None  # (draft ids, their target ids), likewise
 
+    def figures(self) -> dict:
+        """What --json and /props show of it: the tokens with a counterpart, and how many of the draft's most common
+        ordinary tokens have one (common_shared of common_of, the share the pair is refused below)."""
+        shared, of = self.shared_common
+        return {"shared_tokens": self.n_shared, "common_shared": shared, "common_of": of}
+
     def draft_tokens(self, target_id: int) -> tuple[int, ...]:
         """The draft tokens standing for one target token (empty for a control token the draft lacks)."""
         out = self._draft_of.get(target_id)
