@@ -9,6 +9,7 @@ document with every cell.
 
   python scripts/bench_server.py -m qwen2.5-coder-0.5b --np 1,4,8 --clients 1,4,8 --spec none,ngram-mod
   python scripts/bench_server.py -m qwen2.5-coder-1.5b --spec none,draft --draft qwen2.5-coder-0.5b
+  python scripts/bench_server.py -m qwen2.5-coder-1.5b --np 1,4 --clients 1,4 --spec ngram-mod --set code-edit
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import sys
 import time
 
 import httpx
+
+from spec_cli.text.prompt_sets import load_prompt_set
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
@@ -68,29 +71,33 @@ def start_server(args, n_parallel: int, spec: str) -> tuple[subprocess.Popen, st
         time.sleep(0.5)
 
 
-async def one_request(client: httpx.AsyncClient, prompt: str, n: int) -> dict:
-    """A streamed greedy request: latency, time to first token and the final timings."""
+async def one_request(client: httpx.AsyncClient, prompt: str | list[dict], n: int) -> dict:
+    """A streamed greedy request of raw text (/completion) or chat messages (/v1/chat/completions): latency, time to
+    first token and the final timings."""
     t0 = time.perf_counter()
     ttft, final = None, None
-    body = {"prompt": prompt, "n_predict": n, "temperature": 0, "ignore_eos": True, "stream": True,
-            "cache_prompt": False}
-    async with client.stream("POST", "/completion", json=body) as r:
+    common = {"temperature": 0, "ignore_eos": True, "stream": True, "cache_prompt": False}
+    if isinstance(prompt, str):
+        route, body = "/completion", {"prompt": prompt, "n_predict": n, **common}
+    else:
+        route, body = "/v1/chat/completions", {"messages": prompt, "max_tokens": n, **common}
+    async with client.stream("POST", route, json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            if not line.startswith("data: "):
+            if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             obj = json.loads(line[6:])
             if ttft is None:
                 ttft = time.perf_counter() - t0
-            if obj.get("stop"):
+            if "timings" in obj:
                 final = obj
     return {"latency": time.perf_counter() - t0, "ttft": ttft, "timings": final["timings"]}
 
 
-async def run_cell(url: str, n_clients: int, n_requests: int, n: int) -> dict:
+async def run_cell(url: str, n_clients: int, n_requests: int, n: int, prompts: list) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=None) as client:
         async def one_client(i: int) -> list[dict]:
-            return [await one_request(client, PROMPTS[(i + k) % len(PROMPTS)], n) for k in range(n_requests)]
+            return [await one_request(client, prompts[(i + k) % len(prompts)], n) for k in range(n_requests)]
 
         t0 = time.perf_counter()
         done = await asyncio.gather(*(one_client(i) for i in range(n_clients)))
@@ -122,8 +129,11 @@ def main() -> None:
     ap.add_argument("--ctx-per-slot", type=int, default=1024)
     ap.add_argument("--server-args", default="", help="extra flags for spec-cli server, e.g. '-dev cuda'")
     ap.add_argument("--start-timeout", type=float, default=300)
+    ap.add_argument("--set", help="a built-in prompt set or .jsonl file instead of the built-in completions (chat "
+                                  "messages go to /v1/chat/completions)")
     ap.add_argument("--json", help="write every cell to this file")
     args = ap.parse_args()
+    prompts = [p.messages or p.text for p in load_prompt_set(args.set).prompts] if args.set else PROMPTS
     cells = []
     print("| -np | spec | clients | requests | tokens | tok/s | latency mean s | latency p90 s | TTFT s | accept |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -131,9 +141,9 @@ def main() -> None:
         for n_parallel in (int(x) for x in args.np.split(",")):
             proc, url = start_server(args, n_parallel, spec)
             try:
-                asyncio.run(run_cell(url, 1, 1, 8))  # warm-up
+                asyncio.run(run_cell(url, 1, 1, 8, prompts))  # warm-up
                 for n_clients in (int(x) for x in args.clients.split(",")):
-                    result = asyncio.run(run_cell(url, n_clients, args.requests, args.n))
+                    result = asyncio.run(run_cell(url, n_clients, args.requests, args.n, prompts))
                     cell = {"np": n_parallel, "spec": spec, **result}
                     cells.append(cell)
                     acc = "" if cell["acceptance"] is None else f"{cell['acceptance']:.3f}"
