@@ -18,6 +18,18 @@ inline __m256i dot2(__m256i acc, __m256i a, __m256i b) {
     else return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 }
 
+// in each 32-bit lane: the sum over k < N of its int16 pair in pairs[k] times (sums[2 k], sums[2 k + 1])
+template <int N>
+inline __m256i pair_products(const __m256i* pairs, const int16_t* sums) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int k = 0; k < N; k++) {
+        int32_t two;
+        std::memcpy(&two, sums + 2 * k, 4);
+        acc = dot2(acc, pairs[k], _mm256_set1_epi32(two));
+    }
+    return acc;
+}
+
 // For 2 or more activation rows, ask for the weight bytes PF_BYTES ahead of the block a kernel is at (the cache lines
 // of [blk + PF_BYTES, blk + PF_BYTES + n)) into L2: their arithmetic otherwise ran after each memory stall instead of
 // during it. 28 x 1536 x 8960 matrices streamed from memory, 2 threads, ms for 1 / 2 / 4 / 8 rows: Q6_K
@@ -261,13 +273,7 @@ void dot_q4k_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* 
             }
         }
         for (int r = 0; r < R; r++) {
-            // the activation's per-32 sums as int16 pairs (b0, b1), (b2, b3), (b4, b5), (b6, b7) against the mins'
-            __m256i summ = _mm256_setzero_si256();
-            for (int k = 0; k < 4; k++) {
-                int32_t pair;
-                std::memcpy(&pair, bsum[r] + b * 24 + 2 * k, 4);
-                summ = dot2(summ, mn[k], _mm256_set1_epi32(pair));
-            }
+            const __m256i summ = pair_products<4>(mn, bsum[r] + b * 24);  // the mins times the per-32 sums
             const __m256 da = _mm256_set1_ps(d[r][b]);
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, da), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
             accm[r] = _mm256_fmadd_ps(_mm256_mul_ps(dminw, da), _mm256_cvtepi32_ps(summ), accm[r]);
@@ -305,15 +311,7 @@ inline void q6k_offsets(const uint8_t* blk, const int16_t* const* bsum, int64_t 
         const __m128i s = _mm_loadu_si128((const __m128i*)(blk + Q6K_X8::scales + 16 * p));
         pair[p] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s, _mm_srli_si128(s, 8)));
     }
-    for (int r = 0; r < R; r++) {
-        __m256i o = _mm256_setzero_si256();
-        for (int p = 0; p < 8; p++) {
-            int32_t sums;
-            std::memcpy(&sums, bsum[r] + b * 24 + 2 * p, 4);
-            o = dot2(o, pair[p], _mm256_set1_epi32(sums));
-        }
-        off[r] = o;
-    }
+    for (int r = 0; r < R; r++) off[r] = pair_products<8>(pair, bsum[r] + b * 24);
 }
 
 // sum[h][r] += the scaled sums of sub-block t for rows 4 h .. 4 h + 3 (AVX2: lane l is row 4 h + l / 2)
