@@ -269,8 +269,9 @@ class Planner:
         E(k) / cost(n_seq (1 + k)) > 1 / cost(n_seq) per sequence. How seldom it drafts does not enter: an ask that
         finds nothing costs nothing. Weighed by its yield y as a paid drafter is (`_uniform_length`), where y
         cancels only on paper, the rate tied with plain decoding's in floating point once y had decayed below
-        1e-16, 350 asks without a draft: ngram-mod, a copied block after 417 draftless steps of free writing (the
-        writing set at -n 128), was shadowed and its first 16-token draft, accepted whole, not verified."""
+        1e-16 (some 350 asks without a draft; a server's planner lives across requests): ngram-mod, at a copied
+        block after 417 draftless steps of free writing (the writing set at -n 128), was shadowed and its first
+        16-token draft, accepted whole, scored instead of verified."""
         gains, plain = self.acceptance.gains(name), self.costs(n_seq)
         return any(expected_tokens(gains, k) * plain > self.costs(n_seq * (1 + k)) for k in range(1, self.n_max + 1))
 
