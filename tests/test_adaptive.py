@@ -435,6 +435,17 @@ def test_a_free_drafter_is_asked_for_its_whole_draft_whatever_its_lookups_cost()
     assert planner.plan([("ngram-mod", AUTO_DRAFT_MAX)], 0.001) == [AUTO_DRAFT_MAX]
 
 
+def test_a_free_drafter_is_asked_however_long_it_has_had_no_draft():
+    """How seldom a free drafter drafts does not enter its cap: its yield, decayed by every draftless ask, reaches
+    1e-16 after some 350 asks, where weighing its gain by it tied its rate with plain decoding's (the writing set)."""
+    planner = planner_with(flat(), {"ngram-mod": 0.5})
+    free = frozenset({"ngram-mod"})
+    for _ in range(1000):
+        assert planner.drafting_caps(["ngram-mod"], 1, free) == {"ngram-mod": AUTO_DRAFT_MAX}
+        planner.observe_yield("ngram-mod", 1, 0)
+    assert planner.yields["ngram-mod"] < 1e-40 and not planner.shadowing
+
+
 def test_a_right_but_dear_drafter_is_probed_ever_more_rarely():
     """A draft model whose tokens cost more than they save (free writing) is probed at gaps that hold a probe's
     whole price (its token, the extra verify row and the catch-up of its idle cache, which is not the price of its
@@ -528,7 +539,20 @@ def test_a_dropped_drafter_comes_back_only_through_a_probe():
 
 # --- a recorded trace ------------------------------------------------------------------------------------------
 
-TRACE = Path(__file__).parent / "traces" / "ngram-mod-code-edit-0.5b.json"
+TRACES = Path(__file__).parent / "traces"
+
+
+def load_trace(name: str) -> tuple[dict, CostModel]:
+    """A recorded trace and its run's verify-cost curve."""
+    trace = json.loads((TRACES / name).read_text())
+    costs = CostModel()
+    costs.set_points({int(rows): ms / 1000 for rows, ms in trace["verify_ms"].items()})
+    return trace, costs
+
+
+def pays_whole(costs: CostModel, n: int) -> bool:
+    """Whether an n-token draft accepted whole commits more tokens per second verified whole than cut."""
+    return (1 + n) / costs(1 + n) > max((1 + j) / costs(1 + j) for j in range(n))
 
 
 def replay_trace(trace: dict, planner: Planner) -> list[tuple[int, int, int]]:
@@ -568,18 +592,31 @@ def test_a_recorded_ngram_mod_trace_verifies_the_long_drafts_that_pay():
     once its first drafts have taught it (it starts from the prior of a drafter never seen, a_1 = 0.5). Before, it
     priced the drafter's lookups per drafted token (one of them took 7 ms) and dropped it: the last edit's three
     drafts, 37 tokens all accepted, were not verified at all."""
-    trace = json.loads(TRACE.read_text())
-    costs = CostModel()
-    costs.set_points({int(rows): ms / 1000 for rows, ms in trace["verify_ms"].items()})
+    trace, costs = load_trace("ngram-mod-code-edit-0.5b.json")
     drafts = replay_trace(trace, Planner(costs))
-
-    def pays_whole(n: int) -> bool:
-        return (1 + n) / costs(1 + n) > max((1 + j) / costs(1 + j) for j in range(n))
-
-    paying = [(n, k) for n, accepted, k in drafts if accepted == n and pays_whole(n)]
+    paying = [(n, k) for n, accepted, k in drafts if accepted == n and pays_whole(costs, n)]
     assert len(paying) == 13
     learning = 3  # planned mostly from the prior
     assert [k for _, k in paying[learning:]] == [n for n, _ in paying[learning:]]
+
+
+def test_a_recorded_ngram_mod_trace_is_asked_after_hundreds_of_steps_without_a_draft():
+    """From a real run (qwen2.5-coder-0.5b on the writing prompts, 128 tokens each, ngram-mod at --draft-max 16: the
+    trace file names its command): ngram-mod drafts 9 tokens at the end of the first answer, then nothing for 417
+    steps of free writing, then the last answer copies a block: 85 tokens in 6 drafts, all accepted. A free drafter
+    has nothing to lose by asking, however seldom it drafts; but the fraction of its asks that gave a draft, weighed
+    into its rate, decayed below 1e-16 after some 350 draftless asks, the rate tied with plain decoding's and it was
+    shadowed: the block's first draft, 16 tokens accepted whole, was scored and not verified."""
+    trace, costs = load_trace("ngram-mod-writing-0.5b.json")
+    steps = [step for prompt in trace["prompts"] for step in prompt]
+    drafted = [i for i, (proposed, _, _) in enumerate(steps) if proposed]
+    assert drafted[1] - drafted[0] > 400  # what the trace shows: the long wait between its drafts
+    drafts = replay_trace(trace, Planner(costs))
+    assert all(accepted == n for n, accepted, _ in drafts)
+    assert all(k > 0 for _, _, k in drafts)  # every draft verified, the block's first one too
+    block = [k for n, _, k in drafts if n == 16]
+    learning = 2  # its first drafts planned mostly from the prior and one 9-token draft, 400 steps before
+    assert len(block) == 5 and pays_whole(costs, 16) and block[learning:] == [16] * (len(block) - learning)
 
 
 # --- lossless, end to end ------------------------------------------------------------------------------------

@@ -177,7 +177,6 @@ class Planner:
         # restarts its cache from a window, a price the estimate that tips it back over 0 does not see)
         self.dropped: set[str] = set()
         self.probes_granted: set[str] = set()  # drafters granted a probe at the last step
-        self.free: frozenset[str] = frozenset()  # this step's drafters whose asking costs nothing (drafting_caps)
         self.probe_catch_up: dict[str, float] = {}  # seconds the last probe of a drafter caught up
         self.mirroring_price: dict[str, float] = {}  # its dearest mirroring (a prompt's): priced until measured
         self.unasked: set[str] = set()  # model drafters not asked yet: their first ask finds the prompt in cache
@@ -192,7 +191,6 @@ class Planner:
         with it (an upper estimate of what `plan` will keep), or 1 when its probe is due; 0 = do not ask it.
         A `free` drafter (an n-gram lookup: asking costs nothing) is capped by `_free_cap` instead."""
         self.step += 1
-        self.free = free
         probed = self.probes_granted
         self.probing.clear()
         self.shadowing = set()
@@ -230,7 +228,7 @@ class Planner:
         Verified 1-token probes at doubling gaps were this evidence before: a drafter wrong on its first drafts of
         a request (ngram-cache's cold cache on chat) came back only after ~100 steps, or missed a copied block
         that began between probes."""
-        if self._uniform_length(name, n_seq) > 0:
+        if self._draft_pays(name, n_seq):
             self.next_probe[name] = self.step + 1  # should it fall to 0, its first shadow is due at once
             return self.n_max
         if self.step >= self.next_probe.get(name, 0):
@@ -266,25 +264,34 @@ class Planner:
                 best, best_lengths = pick_rate, list(lengths)
         return self._with_probes(drafts, best_lengths)
 
+    def _draft_pays(self, name: str, n_seq: int) -> bool:
+        """Whether a free drafter's draft, whenever it has one, pays for its verify rows at some length:
+        E(k) / cost(n_seq (1 + k)) > 1 / cost(n_seq) per sequence. How seldom it drafts does not enter: an ask that
+        finds nothing costs nothing. Weighed by its yield y as a paid drafter is (`_uniform_length`), where y
+        cancels only on paper, the rate tied with plain decoding's in floating point once y had decayed below
+        1e-16 (some 350 asks without a draft; a server's planner lives across requests): ngram-mod, at a copied
+        block after 417 draftless steps of free writing (the writing set at -n 128), was shadowed and its first
+        16-token draft, accepted whole, scored instead of verified."""
+        gains, plain = self.acceptance.gains(name), self.costs(n_seq)
+        return any(expected_tokens(gains, k) * plain > self.costs(n_seq * (1 + k)) for k in range(1, self.n_max + 1))
+
     def _uniform_length(self, name: str, n_seq: int) -> int:
-        """argmax_k of the tokens per second if every sequence asked `name` for k tokens: with y the fraction of
-        asks that give a draft at all (a draft model stops below --draft-p-min and then gives none, but its seed
-        row was paid for), (1 + y (E(k) - 1)) / ((y cost(n_seq (1 + k)) + (1 - y) cost(n_seq)) / n_seq + ask(k));
-        0 unless that beats plain decoding (by ASK_MARGIN for a drafter that is not free). ask(k), the drafting
-        time per sequence, is k c for a model drafter (c: its seconds per drafted token), c / n_seq for a per-call
-        (block) drafter (c: its seconds per call, shared by the step's sequences) and 0 for a free one, as its
-        `cheap` flag promises; y then cancels: a free drafter is worth asking exactly where its draft pays for
-        its verify rows, E(k) / cost(1 + k) > 1 / cost(1), however seldom it drafts. Its lookups take 0.02-0.2 ms
-        against a 0.5b forward's 14.5, but priced per token, their EMA (one call preempted for 7-30 ms on a busy
-        machine included) counted k times on every ask against a gain that comes with 1 ask in y: ngram-mod,
-        drafting on 7 % of code-edit steps, was capped at a few tokens or dropped."""
+        """argmax_k of the tokens per second if every sequence asked drafter `name`, whose asking costs time, for k
+        tokens: with y the fraction of asks that give a draft at all (a draft model stops below --draft-p-min and
+        then gives none, but its seed row was paid for), (1 + y (E(k) - 1)) / ((y cost(n_seq (1 + k)) + (1 - y)
+        cost(n_seq)) / n_seq + ask(k)); 0 unless that beats plain decoding by ASK_MARGIN. ask(k), the drafting
+        time per sequence, is k c for a model drafter (c: its seconds per drafted token) and c / n_seq for a
+        per-call (block) drafter (c: its seconds per call, shared by the step's sequences). A free drafter (an
+        n-gram lookup) is judged by `_draft_pays` instead: its lookups take 0.02-0.2 ms against a 0.5b forward's
+        14.5, but priced per token, their EMA (one call preempted for 7-30 ms on a busy machine included) counted
+        k times on every ask against a gain that comes with 1 ask in y: ngram-mod, drafting on 7 % of code-edit
+        steps, was capped at a few tokens or dropped."""
         gains, y = self.acceptance.gains(name), self.yields.get(name, 1.0)
-        free = name in self.free
         plain = self.costs(n_seq)
-        best_k, best = 0, (1.0 if free else 1.0 + ASK_MARGIN) / (plain / n_seq)
+        best_k, best = 0, (1.0 + ASK_MARGIN) / (plain / n_seq)
         for k in range(1, self.n_max + 1):
             verify = y * self.costs(n_seq * (1 + k)) + (1 - y) * plain
-            asking = 0.0 if free else self._draft_cost(name) * (1 / n_seq if name in self.per_call else k)
+            asking = self._draft_cost(name) * (1 / n_seq if name in self.per_call else k)
             rate = (1 + y * (expected_tokens(gains, k) - 1)) / (verify / n_seq + asking)
             if rate > best:
                 best_k, best = k, rate
