@@ -230,7 +230,7 @@ enum : int { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
 // scales d side by side, then the 8 minimums (Q4_1/Q5_1: m, Q4_K: dmin), then per row 32-bit words in turn
 // (Q5_0/Q5_1: the 32 high bits qh; Q4_K: the 12 scale bytes as three words), word i of row c at 4 (8 i + c), then
 // the codes in 32-byte runs, each holding 4 consecutive code bytes of every row (row c at 4 c): Q8_0 bytes 4 g ..
-// 4 g + 3 in run g = 0..7; Q4/Q5 qs bytes 4 g .. 4 g + 3 in run g = 0..3 (low nibbles values 4 g + i, high ones
+// 4 g + 3 in run g = 0..7, each + 128 (unsigned, as vpdpbusd multiplies them); Q4/Q5 qs bytes 4 g .. 4 g + 3 in run g = 0..3 (low nibbles values 4 g + i, high ones
 // 16 + 4 g + i). One 32-byte load then holds the same 4 (or 8) values of all 8 rows, one row per 32-bit lane, so
 // the products land in one accumulator lane per row: no horizontal sums, and a block's scales are applied to 8 rows
 // per instruction. Q4_K's codes come in 64-byte runs of 8 bytes per row (row c at 8 c): qs bytes 32 j + 8 g ..
@@ -430,7 +430,9 @@ struct X32 {
     static constexpr bool has_min = W == Q4_1 || W == Q5_1, five = W == Q5_0 || W == Q5_1;
     static constexpr int bytes = 8 * (W == Q4_0 ? 18 : W == Q4_1 ? 20 : W == Q5_0 ? 22 : W == Q5_1 ? 24 : 34);
     static constexpr int qh = has_min ? 32 : 16, codes = qh + (five ? 32 : 0);
-    static constexpr int offset = W == Q4_0 ? 8 : W == Q5_0 ? 16 : 0;  // value = code - offset (Q8_0: signed codes)
+    // value = code - offset (Q8_0: the X8 layout stores code + 128, x8_kernels.h subtracting 128 x the activation's
+    // sum where it multiplies them unsigned)
+    static constexpr int offset = W == Q4_0 ? 8 : W == Q5_0 ? 16 : 0;
 };
 
 // X8 groups of a 32-value block type against Q8_0/Q8_1: out[r * 8 + c] = dot(row c, activation row r). The
@@ -455,7 +457,7 @@ void dot32_x8_scalar(int R, const uint8_t* w, const ActRows& a, const int64_t* r
                 for (int i = 0; i < 32; i++) {
                     int v;
                     if (W == Q8_0) {
-                        v = (int8_t)blk[L::codes + 32 * (i / 4) + 4 * c + i % 4];
+                        v = (int8_t)(blk[L::codes + 32 * (i / 4) + 4 * c + i % 4] ^ 0x80);
                     } else {
                         const int byte = blk[L::codes + 32 * (i % 16 / 4) + 4 * c + i % 4];
                         v = (i < 16 ? byte & 0xF : byte >> 4) | (int)((qh >> q5_bit(i)) & 1) << 4;
@@ -1388,6 +1390,9 @@ int sc_pack_x8(int wtype, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst
                 o += 8 * f.bytes;
             }
             if (wtype == Q6_K) pack_q6k_codes(rows + b * bs, rb, block);
+            if (wtype == Q8_0) {
+                for (int i = 0; i < 256; i++) block[X32<Q8_0>::codes + i] ^= 0x80;
+            }
             if (wtype == Q5_0 || wtype == Q5_1) {  // the qh words' bits in q5_bit's order
                 uint8_t* words = block + (wtype == Q5_0 ? X32<Q5_0>::qh : X32<Q5_1>::qh);
                 for (int c = 0; c < 8; c++) {

@@ -77,14 +77,16 @@ void dot32_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* ou
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
         __m256i sumi[R];
         for (int r = 0; r < R; r++) sumi[r] = _mm256_setzero_si256();
-        if constexpr (W == Q8_0) {
+        if constexpr (W == Q8_0) {  // codes stored + 128: VNNI multiplies them as they are, AVX2 signs them back
             for (int g = 0; g < 8; g++) {
-                const __m256i wv = _mm256_loadu_si256((const __m256i*)(blk + L::codes + 32 * g));
+                const __m256i wu = _mm256_loadu_si256((const __m256i*)(blk + L::codes + 32 * g));
+                const __m256i wv = _mm256_xor_si256(wu, _mm256_set1_epi8((char)0x80));
                 const __m256i w_abs = _mm256_sign_epi8(wv, wv);
                 for (int r = 0; r < R; r++) {
                     int32_t y;
                     std::memcpy(&y, q[r] + b * 32 + 4 * g, 4);
-                    sumi[r] = dot4(sumi[r], w_abs, _mm256_sign_epi8(_mm256_set1_epi32(y), wv));
+                    if constexpr (VNNI) sumi[r] = dot4(sumi[r], wu, _mm256_set1_epi32(y));
+                    else sumi[r] = dot4(sumi[r], w_abs, _mm256_sign_epi8(_mm256_set1_epi32(y), wv));
                 }
             }
         } else {
@@ -120,9 +122,8 @@ void dot32_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* ou
             }
         }
         for (int r = 0; r < R; r++) {
-            if constexpr (L::offset != 0) {
-                sumi[r] = _mm256_sub_epi32(sumi[r], _mm256_set1_epi32(L::offset * isum[r][b]));
-            }
+            constexpr int offset = W == Q8_0 ? (VNNI ? 128 : 0) : L::offset;  // 128: Q8_0's stored codes
+            if constexpr (offset != 0) sumi[r] = _mm256_sub_epi32(sumi[r], _mm256_set1_epi32(offset * isum[r][b]));
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(d[r][b])), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
             if constexpr (L::has_min) {
                 const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16)));
