@@ -18,8 +18,8 @@ from rich.console import Console
 from spec_cli.cli.output import memory_table
 from spec_cli.errors import SpecCliError
 from spec_cli.model.gguf_file import GGUFFile
-from spec_cli.runtime import memory
 from spec_cli.options import SUFFIX_CACHE_TOKENS
+from spec_cli.runtime import memory
 from spec_cli.runtime.engine import EngineOptions, head_file
 from tests.server_harness import make_session
 from tests.tiny_dflash import write_tiny_dflash, write_tiny_dspark
