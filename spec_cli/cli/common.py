@@ -111,7 +111,7 @@ class RunResult:
             "predicted_n": self.n_gen,
             "predicted_ms": round(self.t_gen_ms, 3),
             "predicted_per_second": _rate(self.n_gen, self.t_gen_ms),
-            "memory": measured(engine, session.chain.drafters if session.chain else ()),
+            "memory": measured(engine, session.drafters),
         }
         if session.chain is not None:
             out.update(

@@ -41,7 +41,7 @@ def server(opts: dict) -> int:
     session = open_session(engine_options(opts, n_seq=opts["parallel"]))
     app = create_app(session, settings)
     engine, types = session.engine, ",".join(session.types) or "none"
-    memory = measured(engine, session.chain.drafters if session.chain else ())
+    memory = measured(engine, session.drafters)
     used, store = memory["total"], ""
     if SUFFIX_PART in memory:  # empty at the start: what it holds at its bounds
         full = suffix_store_estimate(session.spec.suffix_cache_tokens, engine.ctx.n_seq, engine.ctx.n_ctx_seq)

@@ -34,7 +34,12 @@ class Session:
         self.engine, self.spec, self.make_drafters = engine, spec, make_drafters
         self.chain = build_chain(engine, spec, make_drafters)
         # set either way, so features an earlier session's drafters asked for are not captured past it
-        engine.ctx.set_taps(layer for d in (self.chain.drafters if self.chain else []) for layer in d.target_layers())
+        engine.ctx.set_taps(layer for d in self.drafters for layer in d.target_layers())
+
+    @property
+    def drafters(self) -> tuple[Drafter, ...]:
+        """The chain's drafters, in priority order; none without speculation."""
+        return tuple(self.chain.drafters) if self.chain is not None else ()
 
     @property
     def types(self) -> list[str]:

@@ -24,7 +24,6 @@ def props(scheduler: Scheduler, settings: ServerSettings, model_id: str, memory:
     tok, spec, loaded = engine.tokenizer, session.spec, session.types
     params = P.generation_settings(P.GenerationFields(), settings.sampling, settings.n_predict, None, spec, loaded)
     template = resolve_template(settings.chat_template) if settings.chat_template else tok.chat_template
-    drafters = session.chain.drafters if session.chain is not None else ()
     return {
         "default_generation_settings": {
             "id": 0, "id_task": -1, "n_ctx": scheduler.n_ctx_slot, "speculative": params["speculative"],
@@ -49,7 +48,7 @@ def props(scheduler: Scheduler, settings: ServerSettings, model_id: str, memory:
             "model_draft": str(engine.draft_file) if engine.draft_file is not None and loaded else None,
             **draft_vocabulary(session)},
         "slots": [slot_props(scheduler, i) for i in range(len(scheduler.slots))],
-        "memory": with_stores(memory, drafters),
+        "memory": with_stores(memory, session.drafters),
     }
 
 

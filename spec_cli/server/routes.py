@@ -56,7 +56,7 @@ class Routes:
         self.loaded = session.types  # the spec types a request may choose among
         self.model_id = settings.alias or self.engine.target.gguf.path.name
         self.tok.min_tokens("")  # the vocabulary's bound is computed now, not in the first request
-        self.memory = measured(self.engine, session.chain.drafters if session.chain is not None else ())
+        self.memory = measured(self.engine, session.drafters)
 
     # --- routes -----------------------------------------------------------------------------------------------
 
