@@ -230,8 +230,8 @@ enum : int { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
 // scales d side by side, then the 8 minimums (Q4_1/Q5_1: m, Q4_K: dmin), then per row 32-bit words in turn
 // (Q5_0/Q5_1: the 32 high bits qh; Q4_K: the 12 scale bytes as three words), word i of row c at 4 (8 i + c), then
 // the codes in 32-byte runs, each holding 4 consecutive code bytes of every row (row c at 4 c): Q8_0 bytes 4 g ..
-// 4 g + 3 in run g = 0..7, each + 128 (unsigned, as vpdpbusd multiplies them); Q4/Q5 qs bytes 4 g .. 4 g + 3 in run g = 0..3 (low nibbles values 4 g + i, high ones
-// 16 + 4 g + i). One 32-byte load then holds the same 4 (or 8) values of all 8 rows, one row per 32-bit lane, so
+// 4 g + 3 in run g = 0..7, each + 128 (unsigned, as vpdpbusd multiplies them); Q4/Q5 qs bytes 4 g .. 4 g + 3 in
+// run g = 0..3 (low nibbles values 4 g + i, high ones 16 + 4 g + i). One 32-byte load then holds the same 4 (or 8) values of all 8 rows, one row per 32-bit lane, so
 // the products land in one accumulator lane per row: no horizontal sums, and a block's scales are applied to 8 rows
 // per instruction. Q4_K's codes come in 64-byte runs of 8 bytes per row (row c at 8 c): qs bytes 32 j + 8 g ..
 // 32 j + 8 g + 7 in run 4 j + g (low nibbles: sub-block 2 j, high: 2 j + 1), so that one broadcast of 8 activation
@@ -249,11 +249,19 @@ struct Q6K_X8 {
     static constexpr int bytes = 8 * 210, scales = 16, nibbles = 144, high = nibbles + 16 * 64;
 };
 
+// where value i (0..255) of row c sits in a Q6_K X8 group block: the bytes of its low nibble and of its 2 high bits,
+// and their shifts within those bytes
+struct Q6KSlot { int nib, nib_shift, high, high_shift; };
+inline Q6KSlot q6k_x8_slot(int c, int i) {
+    const int unit = 8 * c + i % 8;
+    return {Q6K_X8::nibbles + 64 * (i / 16) + unit, i % 16 / 8 * 4, Q6K_X8::high + 64 * (i / 32) + unit,
+            i % 32 / 8 * 2};
+}
+
 // the 6-bit code of value i (0..255) of row c in a Q6_K X8 group block
 inline int q6k_x8_code(const uint8_t* blk, int c, int i) {
-    const int unit = 8 * c + i % 8;
-    const int nib = blk[Q6K_X8::nibbles + 64 * (i / 16) + unit] >> (i % 16 / 8 * 4) & 0xF;
-    return nib | (blk[Q6K_X8::high + 64 * (i / 32) + unit] >> (i % 32 / 8 * 2) & 3) << 4;
+    const Q6KSlot at = q6k_x8_slot(c, i);
+    return (blk[at.nib] >> at.nib_shift & 0xF) | (blk[at.high] >> at.high_shift & 3) << 4;
 }
 
 // Where value i's fifth bit of a Q5_0/Q5_1 block goes in its X8 qh word: value i is nibble i / 16 of the byte i % 4
@@ -430,9 +438,10 @@ struct X32 {
     static constexpr bool has_min = W == Q4_1 || W == Q5_1, five = W == Q5_0 || W == Q5_1;
     static constexpr int bytes = 8 * (W == Q4_0 ? 18 : W == Q4_1 ? 20 : W == Q5_0 ? 22 : W == Q5_1 ? 24 : 34);
     static constexpr int qh = has_min ? 32 : 16, codes = qh + (five ? 32 : 0);
-    // value = code - offset (Q8_0: the X8 layout stores code + 128, x8_kernels.h subtracting 128 x the activation's
-    // sum where it multiplies them unsigned)
-    static constexpr int offset = W == Q4_0 ? 8 : W == Q5_0 ? 16 : 0;
+    static constexpr int offset = W == Q4_0 ? 8 : W == Q5_0 ? 16 : 0;  // value = code - offset
+    // what the X8 layout adds to each code (Q8_0's, stored unsigned for vpdpbusd; x8_kernels.h takes stored x the
+    // activation's sum off where it multiplies them as stored)
+    static constexpr int stored = W == Q8_0 ? 128 : 0;
 };
 
 // X8 groups of a 32-value block type against Q8_0/Q8_1: out[r * 8 + c] = dot(row c, activation row r). The
@@ -457,7 +466,7 @@ void dot32_x8_scalar(int R, const uint8_t* w, const ActRows& a, const int64_t* r
                 for (int i = 0; i < 32; i++) {
                     int v;
                     if (W == Q8_0) {
-                        v = (int8_t)(blk[L::codes + 32 * (i / 4) + 4 * c + i % 4] ^ 0x80);
+                        v = blk[L::codes + 32 * (i / 4) + 4 * c + i % 4] - L::stored;
                     } else {
                         const int byte = blk[L::codes + 32 * (i % 16 / 4) + 4 * c + i % 4];
                         v = (i < 16 ? byte & 0xF : byte >> 4) | (int)((qh >> q5_bit(i)) & 1) << 4;
@@ -995,7 +1004,8 @@ double sc_int8_peak(int64_t rounds) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return (double)products.load() / s;
 #else
-    return rounds * 0.0;
+    (void)rounds;
+    return 0;
 #endif
 }
 
@@ -1358,9 +1368,9 @@ void pack_q6k_codes(const uint8_t* rows, int64_t stride, uint8_t* block) {
             const int h = i / 128, k = i % 128 / 32, l = i % 32;
             const int nib = src[64 * h + l + 32 * (k % 2)] >> (4 * (k / 2)) & 0xF;
             const int high = src[128 + 32 * h + l] >> (2 * k) & 3;
-            const int unit = 8 * c + i % 8;
-            block[Q6K_X8::nibbles + 64 * (i / 16) + unit] |= nib << (i % 16 / 8 * 4);
-            block[Q6K_X8::high + 64 * (i / 32) + unit] |= high << (i % 32 / 8 * 2);
+            const Q6KSlot at = q6k_x8_slot(c, i);
+            block[at.nib] |= nib << at.nib_shift;
+            block[at.high] |= high << at.high_shift;
         }
     }
 }
@@ -1390,8 +1400,8 @@ int sc_pack_x8(int wtype, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst
                 o += 8 * f.bytes;
             }
             if (wtype == Q6_K) pack_q6k_codes(rows + b * bs, rb, block);
-            if (wtype == Q8_0) {
-                for (int i = 0; i < 256; i++) block[X32<Q8_0>::codes + i] ^= 0x80;
+            if (wtype == Q8_0) {  // signed codes -> unsigned (mod 256)
+                for (int i = 0; i < 256; i++) block[X32<Q8_0>::codes + i] += X32<Q8_0>::stored;
             }
             if (wtype == Q5_0 || wtype == Q5_1) {  // the qh words' bits in q5_bit's order
                 uint8_t* words = block + (wtype == Q5_0 ? X32<Q5_0>::qh : X32<Q5_1>::qh);

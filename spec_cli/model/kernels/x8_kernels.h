@@ -78,9 +78,10 @@ void dot32_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* ou
         __m256i sumi[R];
         for (int r = 0; r < R; r++) sumi[r] = _mm256_setzero_si256();
         if constexpr (W == Q8_0) {  // codes stored + 128: VNNI multiplies them as they are, AVX2 signs them back
+            static_assert(L::stored == 128);
             for (int g = 0; g < 8; g++) {
                 const __m256i wu = _mm256_loadu_si256((const __m256i*)(blk + L::codes + 32 * g));
-                const __m256i wv = _mm256_xor_si256(wu, _mm256_set1_epi8((char)0x80));
+                const __m256i wv = _mm256_xor_si256(wu, _mm256_set1_epi8((char)0x80));  // - 128 (mod 256)
                 const __m256i w_abs = _mm256_sign_epi8(wv, wv);
                 for (int r = 0; r < R; r++) {
                     int32_t y;
@@ -122,7 +123,7 @@ void dot32_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* ou
             }
         }
         for (int r = 0; r < R; r++) {
-            constexpr int offset = W == Q8_0 ? (VNNI ? 128 : 0) : L::offset;  // 128: Q8_0's stored codes
+            constexpr int offset = L::offset + (VNNI ? L::stored : 0);  // AVX2 multiplies Q8_0's signed back
             if constexpr (offset != 0) sumi[r] = _mm256_sub_epi32(sumi[r], _mm256_set1_epi32(offset * isum[r][b]));
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(d[r][b])), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
             if constexpr (L::has_min) {
