@@ -4,8 +4,10 @@ For every (-np, speculation) pair it starts `spec-cli server` as a subprocess on
 client count runs that many concurrent clients, each sending --requests greedy `/completion` requests of
 exactly -n tokens (ignore_eos, so every configuration generates the same amount). Reported per cell: total
 generated tokens per second of wall time, per-request latency (mean and p90), time to first token (mean, from
-streamed requests), and the pooled draft acceptance. A markdown table goes to stdout and, with --json, one JSON
-document with every cell.
+streamed requests), generation tokens per second (each client's requests' predicted_n over the server's
+predicted_ms, summed over the clients, who generate at the same time: the aggregate rate of the slots' generation,
+prompt processing left out) and the pooled draft acceptance. A markdown table goes to stdout and, with --json, one
+JSON document with every cell.
 
   python scripts/bench_server.py -m qwen2.5-coder-0.5b --np 1,4,8 --clients 1,4,8 --spec none,ngram-mod
   python scripts/bench_server.py -m qwen2.5-coder-1.5b --spec none,draft --draft qwen2.5-coder-0.5b
@@ -96,7 +98,7 @@ async def one_request(client: httpx.AsyncClient, prompt: str | list[dict], n: in
 
 async def run_cell(url: str, n_clients: int, n_requests: int, n: int, prompts: list) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=None) as client:
-        async def one_client(i: int) -> list[dict]:
+        async def one_client(i: int) -> list[dict]:  # the client's requests one after another
             return [await one_request(client, prompts[(i + k) % len(prompts)], n) for k in range(n_requests)]
 
         t0 = time.perf_counter()
@@ -107,9 +109,11 @@ async def run_cell(url: str, n_clients: int, n_requests: int, n: int, prompts: l
     n_tokens = sum(r["timings"]["predicted_n"] for r in runs)
     drafted = sum(r["timings"].get("draft_n", 0) for r in runs)
     accepted = sum(r["timings"].get("draft_n_accepted", 0) for r in runs)
+    gen_rate = sum(1e3 * sum(r["timings"]["predicted_n"] for r in rs) / sum(r["timings"]["predicted_ms"] for r in rs)
+                   for rs in done)
     return {
         "clients": n_clients, "requests": len(runs), "tokens": n_tokens, "wall_s": round(wall, 3),
-        "tok_s": round(n_tokens / wall, 2),
+        "tok_s": round(n_tokens / wall, 2), "gen_tok_s": round(gen_rate, 2),
         "latency_mean_s": round(statistics.mean(latencies), 3),
         "latency_p90_s": round(latencies[min(len(latencies) - 1, int(0.9 * len(latencies)))], 3),
         "ttft_mean_s": round(statistics.mean(r["ttft"] for r in runs), 3),
@@ -135,8 +139,9 @@ def main() -> None:
     args = ap.parse_args()
     prompts = [p.messages or p.text for p in load_prompt_set(args.set).prompts] if args.set else PROMPTS
     cells = []
-    print("| -np | spec | clients | requests | tokens | tok/s | latency mean s | latency p90 s | TTFT s | accept |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| -np | spec | clients | requests | tokens | tok/s | gen tok/s | latency mean s | latency p90 s | TTFT s "
+          "| accept |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for spec in args.spec.split(","):
         for n_parallel in (int(x) for x in args.np.split(",")):
             proc, url = start_server(args, n_parallel, spec)
@@ -148,8 +153,8 @@ def main() -> None:
                     cells.append(cell)
                     acc = "" if cell["acceptance"] is None else f"{cell['acceptance']:.3f}"
                     print(f"| {n_parallel} | {spec} | {n_clients} | {cell['requests']} | {cell['tokens']} | "
-                          f"{cell['tok_s']:.2f} | {cell['latency_mean_s']:.2f} | {cell['latency_p90_s']:.2f} | "
-                          f"{cell['ttft_mean_s']:.2f} | {acc} |", flush=True)
+                          f"{cell['tok_s']:.2f} | {cell['gen_tok_s']:.2f} | {cell['latency_mean_s']:.2f} | "
+                          f"{cell['latency_p90_s']:.2f} | {cell['ttft_mean_s']:.2f} | {acc} |", flush=True)
             finally:
                 proc.terminate()
                 proc.wait(timeout=60)

@@ -38,6 +38,7 @@ def create_app(session: Session, settings: ServerSettings | None = None) -> Fast
 
     app = FastAPI(title="spec-cli server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler, app.state.settings = scheduler, settings
+    app.state.memory = routes.memory  # the models' bytes, measured once (the start-up line reads them too)
     app.add_middleware(RequestGuard, hosts=settings.allowed_hosts, api_key=settings.api_key,
                        max_body=settings.max_body if settings.max_body is not None else math.inf)
     _install_error_handlers(app)
