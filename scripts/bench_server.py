@@ -6,8 +6,9 @@ exactly -n tokens (ignore_eos, so every configuration generates the same amount)
 generated tokens per second of wall time, per-request latency (mean and p90), time to first token (mean, from
 streamed requests), generation tokens per second (each client's requests' predicted_n over the server's
 predicted_ms, summed over the clients, who generate at the same time: the aggregate rate of the slots' generation,
-prompt processing left out) and the pooled draft acceptance. A markdown table goes to stdout and, with --json, one
-JSON document with every cell.
+prompt processing left out; only where every client has a slot of its own, else requests wait and do not
+overlap) and the pooled draft acceptance. A markdown table goes to stdout and, with --json, one JSON document with
+every cell.
 
   python scripts/bench_server.py -m qwen2.5-coder-0.5b --np 1,4,8 --clients 1,4,8 --spec none,ngram-mod
   python scripts/bench_server.py -m qwen2.5-coder-1.5b --spec none,draft --draft qwen2.5-coder-0.5b
@@ -96,7 +97,7 @@ async def one_request(client: httpx.AsyncClient, prompt: str | list[dict], n: in
     return {"latency": time.perf_counter() - t0, "ttft": ttft, "timings": final["timings"]}
 
 
-async def run_cell(url: str, n_clients: int, n_requests: int, n: int, prompts: list) -> dict:
+async def run_cell(url: str, n_parallel: int, n_clients: int, n_requests: int, n: int, prompts: list) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=None) as client:
         async def one_client(i: int) -> list[dict]:  # the client's requests one after another
             return [await one_request(client, prompts[(i + k) % len(prompts)], n) for k in range(n_requests)]
@@ -109,11 +110,12 @@ async def run_cell(url: str, n_clients: int, n_requests: int, n: int, prompts: l
     n_tokens = sum(r["timings"]["predicted_n"] for r in runs)
     drafted = sum(r["timings"].get("draft_n", 0) for r in runs)
     accepted = sum(r["timings"].get("draft_n_accepted", 0) for r in runs)
-    gen_rate = sum(1e3 * sum(r["timings"]["predicted_n"] for r in rs) / sum(r["timings"]["predicted_ms"] for r in rs)
-                   for rs in done)
+    gen_rate = None if n_clients > n_parallel else sum(
+        1e3 * sum(r["timings"]["predicted_n"] for r in rs) / sum(r["timings"]["predicted_ms"] for r in rs)
+        for rs in done)
     return {
         "clients": n_clients, "requests": len(runs), "tokens": n_tokens, "wall_s": round(wall, 3),
-        "tok_s": round(n_tokens / wall, 2), "gen_tok_s": round(gen_rate, 2),
+        "tok_s": round(n_tokens / wall, 2), "gen_tok_s": gen_rate and round(gen_rate, 2),
         "latency_mean_s": round(statistics.mean(latencies), 3),
         "latency_p90_s": round(latencies[min(len(latencies) - 1, int(0.9 * len(latencies)))], 3),
         "ttft_mean_s": round(statistics.mean(r["ttft"] for r in runs), 3),
@@ -146,14 +148,15 @@ def main() -> None:
         for n_parallel in (int(x) for x in args.np.split(",")):
             proc, url = start_server(args, n_parallel, spec)
             try:
-                asyncio.run(run_cell(url, 1, 1, 8, prompts))  # warm-up
+                asyncio.run(run_cell(url, n_parallel, 1, 1, 8, prompts))  # warm-up
                 for n_clients in (int(x) for x in args.clients.split(",")):
-                    result = asyncio.run(run_cell(url, n_clients, args.requests, args.n, prompts))
+                    result = asyncio.run(run_cell(url, n_parallel, n_clients, args.requests, args.n, prompts))
                     cell = {"np": n_parallel, "spec": spec, **result}
                     cells.append(cell)
                     acc = "" if cell["acceptance"] is None else f"{cell['acceptance']:.3f}"
+                    gen = "-" if cell["gen_tok_s"] is None else f"{cell['gen_tok_s']:.2f}"
                     print(f"| {n_parallel} | {spec} | {n_clients} | {cell['requests']} | {cell['tokens']} | "
-                          f"{cell['tok_s']:.2f} | {cell['gen_tok_s']:.2f} | {cell['latency_mean_s']:.2f} | "
+                          f"{cell['tok_s']:.2f} | {gen} | {cell['latency_mean_s']:.2f} | "
                           f"{cell['latency_p90_s']:.2f} | {cell['ttft_mean_s']:.2f} | {acc} |", flush=True)
             finally:
                 proc.terminate()

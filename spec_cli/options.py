@@ -644,10 +644,10 @@ MTP_TRAIN_OPTIONS = {o.name: o for o in MTP_TRAIN[1]}
 
 # `spec-cli draft-train --type eagle3|dflash|mtp` (mtp-train = --type mtp): MTP_TRAIN's flags, whose defaults are
 # the MTP head's, where an EAGLE-3 head's or a DFlash drafter's differ these (train/eagle3.py and train/dflash.py read
-# them through `train_default`): EAGLE-3's sized to train qwen2.5-coder-0.5b in about 45 minutes on a 2-core CPU,
-# DFlash's qwen2.5-coder-1.5b within 2 hours
-EAGLE3_TRAIN_DEFAULTS = {"steps": 240, "data_tokens": 131072, "eval_tokens": 8192, "draft_vocab": 16000,
-                         "ttt_steps": 4}
+# them through `train_default`): EAGLE-3's sized to train qwen2.5-coder-1.5b within 90 minutes on a 2-core CPU
+# (docs/training.md), DFlash's qwen2.5-coder-1.5b within 2 hours
+EAGLE3_TRAIN_DEFAULTS = {"steps": 450, "data_tokens": 163840, "gen_tokens": 131072, "eval_tokens": 8192,
+                         "draft_vocab": 16000, "ttt_steps": 4}
 DFLASH_TRAIN_DEFAULTS = {"steps": 300, "lr": 6e-4, "data_tokens": 65536, "gen_tokens": 49152, "eval_tokens": 8192,
                          "draft_vocab": 32000, "block_size": 8, "draft_layers": 1, "anchors": 16}
 TRAIN_DEFAULTS = {"eagle3": EAGLE3_TRAIN_DEFAULTS, "dflash": DFLASH_TRAIN_DEFAULTS, "mtp": {}}
