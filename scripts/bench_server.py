@@ -115,7 +115,7 @@ async def run_cell(url: str, n_parallel: int, n_clients: int, n_requests: int, n
         for rs in done)
     return {
         "clients": n_clients, "requests": len(runs), "tokens": n_tokens, "wall_s": round(wall, 3),
-        "tok_s": round(n_tokens / wall, 2), "gen_tok_s": gen_rate and round(gen_rate, 2),
+        "tok_s": round(n_tokens / wall, 2), "gen_tok_s": None if gen_rate is None else round(gen_rate, 2),
         "latency_mean_s": round(statistics.mean(latencies), 3),
         "latency_p90_s": round(latencies[min(len(latencies) - 1, int(0.9 * len(latencies)))], 3),
         "ttft_mean_s": round(statistics.mean(r["ttft"] for r in runs), 3),

@@ -231,12 +231,13 @@ enum : int { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
 // (Q5_0/Q5_1: the 32 high bits qh; Q4_K: the 12 scale bytes as three words), word i of row c at 4 (8 i + c), then
 // the codes in 32-byte runs, each holding 4 consecutive code bytes of every row (row c at 4 c): Q8_0 bytes 4 g ..
 // 4 g + 3 in run g = 0..7, each + 128 (unsigned, as vpdpbusd multiplies them); Q4/Q5 qs bytes 4 g .. 4 g + 3 in
-// run g = 0..3 (low nibbles values 4 g + i, high ones 16 + 4 g + i). One 32-byte load then holds the same 4 (or 8) values of all 8 rows, one row per 32-bit lane, so
-// the products land in one accumulator lane per row: no horizontal sums, and a block's scales are applied to 8 rows
-// per instruction. Q4_K's codes come in 64-byte runs of 8 bytes per row (row c at 8 c): qs bytes 32 j + 8 g ..
-// 32 j + 8 g + 7 in run 4 j + g (low nibbles: sub-block 2 j, high: 2 j + 1), so that one broadcast of 8 activation
-// bytes serves a whole AVX-512 vector (x8_kernels.h dot_q4k_x8). Q5_0/Q5_1's qh bits are reordered too
-// (q5_bit): the fifth bits of run g's 4 bytes sit where one shift and one mask put them at bit 4 of each byte.
+// run g = 0..3 (low nibbles values 4 g + i, high ones 16 + 4 g + i). One 32-byte load then holds the same 4 (or 8)
+// values of all 8 rows, one row per 32-bit lane, so the products land in one accumulator lane per row: no
+// horizontal sums, and a block's scales are applied to 8 rows per instruction. Q4_K's codes come in 64-byte runs
+// of 8 bytes per row (row c at 8 c): qs bytes 32 j + 8 g .. 32 j + 8 g + 7 in run 4 j + g (low nibbles: sub-block
+// 2 j, high: 2 j + 1), so that one broadcast of 8 activation bytes serves a whole AVX-512 vector (x8_kernels.h
+// dot_q4k_x8). Q5_0/Q5_1's qh bits are reordered too (q5_bit): the fifth bits of run g's 4 bytes sit where one
+// shift and one mask put them at bit 4 of each byte.
 // Q6_K (1680 bytes a group block, Q6K_X8): the 8 fp16 d, the int8 scales (sub-block j of row c at 8 j + c), then its
 // 6-bit codes v rebuilt into 8-byte units per row (row c at 8 c) as Q4_K's runs are: 16 runs of 64 bytes of low
 // nibbles, run t holding values 16 t .. 16 t + 7 (low nibbles) and 16 t + 8 .. 16 t + 15 (high nibbles) of sub-block
