@@ -20,6 +20,10 @@ The last line is machine-readable: `spec-cli best / llama.cpp best: <ratio>x` (`
 
 from __future__ import annotations
 
+import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
+
+# isort: split
+
 import argparse
 import importlib.util
 import json
@@ -34,7 +38,6 @@ from pathlib import Path
 
 import torch
 
-import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
 from spec_cli.model.catalog import resolve_model
 from spec_cli.model.sampling import SamplingParams
 from spec_cli.options import OPTIONS, draft_bound

@@ -11,6 +11,10 @@ token), for a step the GPU waits on. Diagnostic only (docs/cuda.md).
 
 from __future__ import annotations
 
+import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
+
+# isort: split
+
 import argparse
 import cProfile
 import pstats

@@ -11,6 +11,10 @@ top-2 margin below 0.1 (the positions before it where the argmaxes differ are co
 
 from __future__ import annotations
 
+import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
+
+# isort: split
+
 import argparse
 import json
 import statistics
@@ -19,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
 from spec_cli.model.batch import Batch
 from spec_cli.model.catalog import resolve_model
 from spec_cli.model.context import Context

@@ -22,6 +22,10 @@ off), both medians of the ratios within a round. A table goes to stdout, and one
 
 from __future__ import annotations
 
+import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
+
+# isort: split
+
 import argparse
 import gc
 import json
@@ -35,17 +39,13 @@ from pathlib import Path
 
 import torch
 
-import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from spec_cli.bench.verify_cost import break_even_acceptance  # noqa: E402
-from spec_cli.model.batch import Batch  # noqa: E402
-from spec_cli.model.sampling import SamplingParams  # noqa: E402
-from spec_cli.runtime.engine import EngineOptions  # noqa: E402
-from spec_cli.runtime.generate import generate  # noqa: E402
-from spec_cli.runtime.session import Session, open_session  # noqa: E402
-from spec_cli.speculative.verify_costs import time_forwards  # noqa: E402
+from spec_cli.bench.verify_cost import break_even_acceptance
+from spec_cli.model.batch import Batch
+from spec_cli.model.sampling import SamplingParams
+from spec_cli.runtime.engine import EngineOptions
+from spec_cli.runtime.generate import generate
+from spec_cli.runtime.session import Session, open_session
+from spec_cli.speculative.verify_costs import time_forwards
 
 MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
 # llama.cpp on this machine kind, 2 threads, tg128 tokens/s: (llama-bench, llama-cpp-python)

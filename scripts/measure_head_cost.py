@@ -13,6 +13,10 @@ weights: the cost depends on the shapes only.
 
 from __future__ import annotations
 
+import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
+
+# isort: split
+
 import argparse
 import statistics
 import tempfile

@@ -10,6 +10,10 @@ AVX2 vpmaddubsw), on the same threads.
 
 from __future__ import annotations
 
+import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
+
+# isort: split
+
 import argparse
 import time
 
@@ -17,7 +21,6 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
-import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
 from spec_cli.model import kernels
 
 TYPES = (T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0, T.Q4_1)

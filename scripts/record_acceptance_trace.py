@@ -12,6 +12,10 @@ plus the model, settings, date and commit. Usage (the trace in tests/traces/ was
 
 from __future__ import annotations
 
+import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
+
+# isort: split
+
 import argparse
 import json
 import subprocess
@@ -22,16 +26,12 @@ from pathlib import Path
 
 import torch
 
-import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from spec_cli.model.catalog import resolve_model  # noqa: E402
-from spec_cli.model.sampling import SamplingParams  # noqa: E402
-from spec_cli.runtime.engine import EngineOptions  # noqa: E402
-from spec_cli.runtime.session import Session, open_session  # noqa: E402
-from spec_cli.speculative.base import SpecParams  # noqa: E402
-from spec_cli.text.prompt_sets import load_prompt_set, render_tokens  # noqa: E402
+from spec_cli.model.catalog import resolve_model
+from spec_cli.model.sampling import SamplingParams
+from spec_cli.runtime.engine import EngineOptions
+from spec_cli.runtime.session import Session, open_session
+from spec_cli.speculative.base import SpecParams
+from spec_cli.text.prompt_sets import load_prompt_set, render_tokens
 
 GREEDY = SamplingParams(temp=0.0)
 
