@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
+
+# isort: split
+
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from spec_cli.model.catalog import CACHE_ENV, cache_dir
 from tests.tiny_gguf import write_other_vocab, write_tiny_gguf
 
 # Tiny models run fastest single-threaded (and a second thread only spins when the machine is busy);
@@ -15,11 +21,19 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
-def verify_cost_cache(tmp_path, monkeypatch) -> Path:
-    """`--draft-max auto` calibrations go to a per-test file, not the user's cache (in-process engines)."""
-    path = tmp_path / "verify-cost.json"
-    monkeypatch.setattr("spec_cli.runtime.engine.verify_cost_cache", lambda: path)
-    return path
+def verify_cost_cache(tmp_path_factory, monkeypatch) -> Path:
+    """`--draft-max auto` calibrations go to a per-test file, in-process and in the commands a test runs: the cache
+    directory is the test's own ($SPEC_CLI_CACHE), its `models` a link to the user's, inductor's cache the user's.
+    A calibration is keyed by the model file, so tiny models written per test would push the user's real ones out
+    of the file, and a test would plan with whatever curve an earlier run left."""
+    shared = cache_dir()
+    own = tmp_path_factory.mktemp("spec-cli-cache")  # beside tmp_path: a test may need that one empty
+    (shared / "models").mkdir(parents=True, exist_ok=True)
+    (own / "models").symlink_to(shared / "models", target_is_directory=True)
+    monkeypatch.setenv(CACHE_ENV, str(own))
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(shared / "torch-compile"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", inductor)
+    return own / "verify-cost.json"
 
 
 @pytest.fixture

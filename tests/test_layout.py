@@ -93,12 +93,12 @@ def test_functions_are_under_60_lines():
     assert not long, "\n".join(long)
 
 
-def test_scripts_import_the_package_before_torch():
+def test_scripts_and_the_tests_import_the_package_before_torch():
     """spec_cli/__init__ sets OpenMP's wait policy, which OpenMP reads once, when torch loads it: a script that
     imports torch first runs with torch's threads spinning after every parallel op, against the kernels' pool (one
     3-row feature copy before each decode made a qwen2.5-coder-1.5b decode 18 % slower)."""
     late = []
-    for path in sorted((ROOT.parent / "scripts").glob("*.py")):
+    for path in [*sorted((ROOT.parent / "scripts").glob("*.py")), ROOT.parent / "tests" / "conftest.py"]:
         order = [alias.name.split(".")[0] if isinstance(node, ast.Import) else (node.module or "").split(".")[0]
                  for node in ast.parse(path.read_text(encoding="utf-8")).body
                  if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names]

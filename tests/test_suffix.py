@@ -162,7 +162,9 @@ def test_cli_suffix_is_lossless_and_drafts(tiny_model_path, draft_max):
                         "--spec-suffix-min-token-prob", "0.05")
     assert out["content"] == plain["content"]
     stats = {s["name"]: s for s in out["drafters"]}["suffix"]
-    assert stats["n_acc_tokens"] > 0, "nothing accepted: the test proves nothing"
+    assert stats["n_proposed"] > 0, "no draft: the test proves nothing"
+    if draft_max != "auto":  # auto verifies them where its timing of this machine says they pay (test_adaptive.py)
+        assert stats["n_acc_tokens"] > 0, "nothing accepted: the test proves nothing"
 
 
 @pytest.mark.parametrize("flag,value", [("--spec-suffix-min-token-prob", "1.5"), ("--spec-suffix-max-depth", "1"),
