@@ -75,7 +75,8 @@ def test_bad_drafters_other_types_flags_and_tp_are_one_line_errors(files, tmp_pa
             ([*gen, "--spec-type", "draft-dflash"], 2, "needs a DFlash draft"),
             ([*gen, "-md", str(drafter), "-tp", "2"], 2, "draft-dflash reads the target's hidden states"),
             ([*train, "--type", "eagle3", "--block-size", "4"], 2, "--block-size applies to --type dflash only"),
-            ([*train, "--type", "mtp", "--layers", "1,2"], 2, "--layers applies to --type eagle3 and dflash only")):
+            ([*train, "--type", "mtp", "--layers", "1,2"], 2, "--layers applies to --type eagle3 and dflash only"),
+            ([*train, "--outtype", "q3_k"], 2, "--outtype")):
         run = spec_cli(*args)
         assert run.returncode == code and text in run.stderr, (args, run.stderr)
         assert "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
 from spec_cli.errors import UsageError
 from spec_cli.runtime.engine import EngineOptions, implied_spec
@@ -38,8 +38,8 @@ def files(tmp_path_factory):
     head = d / "head.gguf"
     run = spec_cli("draft-train", "--type", "eagle3", "-m", str(target), "-o", str(head), "--steps", "20",
                    "--seq-len", "32", "--batch", "4", "--data-tokens", "1024", "--gen-tokens", "512", "--eval-tokens",
-                   "256", "--draft-vocab", "150", "--lr", "3e-3", "--ttt-steps", "2", "-dev", "cpu", "-t", "1",
-                   "--json")
+                   "256", "--draft-vocab", "150", "--lr", "3e-3", "--ttt-steps", "2", "--outtype", "q4_0", "-dev",
+                   "cpu", "-t", "1", "--json")
     return d, target, head, run
 
 
@@ -51,7 +51,13 @@ def test_draft_train_writes_a_head_and_reports_its_acceptance(files):
     assert 0 <= result["acc_after"] <= 1 and result["mean_len_after"] >= 1
     stages = [line.split(" ")[0] for line in run.stderr.splitlines()]
     assert {"generate", "features", "train", "eval"} <= set(stages) and "Traceback" not in run.stderr
-    assert GGUFReader(str(head)).fields["general.architecture"].contents() == "eagle3"
+    reader = GGUFReader(str(head))
+    assert reader.fields["general.architecture"].contents() == "eagle3"
+    # --outtype q4_0: the matrices in Q4_0 blocks (the next test drafts with them), the vectors float32
+    types = {t.name: t.tensor_type for t in reader.tensors if t.name != "d2t"}
+    assert {n for n, t in types.items() if t == GGMLQuantizationType.Q4_0} >= {"fc.weight", "blk.0.ffn_up.weight"}
+    assert types["output_norm.weight"] == GGMLQuantizationType.F32
+    assert set(types.values()) == {GGMLQuantizationType.Q4_0, GGMLQuantizationType.F32}
 
 
 def test_speculative_simple_with_the_trained_head_equals_plain(files):

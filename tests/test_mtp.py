@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFReader
 
 from spec_cli.model import mtp_head as mtp_module
 from spec_cli.model.batch import Batch
@@ -471,14 +471,19 @@ def test_mtp_on_a_model_without_head_is_a_clear_error(tiny_model_path):
         open_session(EngineOptions(model=str(tiny_model_path), device="cpu", spec=SpecParams(types=["draft-mtp"])))
 
 
-def test_mtp_train_command_writes_a_loadable_head(capsys, monkeypatch, tiny_model_path, tmp_path):
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])  # mtp's default; --outtype
+def test_mtp_train_command_writes_a_loadable_head(capsys, monkeypatch, tiny_model_path, tmp_path, outtype):
     from tests.test_cli import cli
 
     out_path = tmp_path / "cli-mtp.gguf"
     code, out, err = cli(capsys, monkeypatch, "mtp-train", "-m", str(tiny_model_path), "-o", str(out_path),
                          "--steps", "3", "--seq-len", "32", "--batch", "2", "--data-tokens", "256", "--gen-tokens", "64",
-                         "--eval-tokens", "64", "--draft-vocab", "50", "-dev", "cpu", "--json")
+                         "--eval-tokens", "64", "--draft-vocab", "50", "--outtype", outtype, "-dev", "cpu", "--json")
     assert code == 0, err
+    head_block = f"blk.{GGUFFile(tiny_model_path).metadata['llama.block_count']}."
+    matrices = {t.tensor_type.name for t in GGUFReader(str(out_path)).tensors
+                if t.name.startswith(head_block) and len(t.shape) == 2}
+    assert matrices == {outtype.upper()}
     result = json.loads(out)
     assert result["steps"] == 3 and Path(result["out_path"]) == out_path
     # stderr is not a terminal here (as in a log file): a line per tenth of each stage, not rich's bars at the end

@@ -146,6 +146,11 @@ def check_shared(name: str, gf: GGUFFile, n_embd: int, target_embd: int) -> None
                            f"the target's {target_embd}")
 
 
+def out_type(name: str) -> gguf.GGMLQuantizationType:
+    """A --outtype name (options.HEAD_OUT_TYPES) as gguf's type."""
+    return gguf.GGMLQuantizationType[name.upper()]
+
+
 def add_weight(writer: gguf.GGUFWriter, name: str, weight: torch.Tensor,
                qtype: gguf.GGMLQuantizationType) -> None:
     """One tensor as a converter writes it: vectors float32, matrices as `qtype` blocks (F16 where a row is not

@@ -30,6 +30,7 @@ from torch import nn
 from spec_cli.errors import SpecCliError
 from spec_cli.model.config import ModelConfig
 from spec_cli.model.gguf_file import GGUFFile, copy_fields
+from spec_cli.model.head_file import add_weight
 from spec_cli.model.loader import _BLOCK_NAMES, LoadedModel, _set_param
 from spec_cli.model.qlinear import QLinear, fuse_block_projections
 from spec_cli.model.quants import load_tensor
@@ -197,11 +198,13 @@ def _quantize(head: MTPHead) -> None:
 
 
 def write_gguf_with_head(src: str | Path, dst: str | Path, head_tensors: dict[str, np.ndarray],
-                         draft_vocab: list[int] | None = None) -> Path:
+                         draft_vocab: list[int] | None = None,
+                         qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> Path:
     """dst = src (every metadata key with its GGUF type, every tensor's raw bytes as they are) + one NextN block.
 
     `head_tensors` maps the suffix after "blk.{il}." (e.g. "nextn.eh_proj.weight", "attn_q.weight") to float32
-    arrays in torch order; il = the source's block_count, which is incremented, and nextn_predict_layers = 1.
+    arrays in torch order, written as head_file.add_weight writes them (matrices as `qtype`); il = the source's
+    block_count, which is incremented, and nextn_predict_layers = 1.
     `draft_vocab`: the token ids the head drafts among (DRAFT_VOCAB_KEY), None = the whole vocabulary.
     """
     arch = GGUFFile(src).architecture
@@ -218,7 +221,7 @@ def write_gguf_with_head(src: str | Path, dst: str | Path, head_tensors: dict[st
     for t in reader.tensors:
         writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
     for suffix, arr in head_tensors.items():
-        writer.add_tensor(f"blk.{il}.{suffix}", np.ascontiguousarray(arr, dtype=np.float32))
+        add_weight(writer, f"blk.{il}.{suffix}", torch.from_numpy(np.asarray(arr)), qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

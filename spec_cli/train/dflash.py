@@ -33,6 +33,7 @@ from spec_cli.errors import SpecCliError
 from spec_cli.model.config import ModelConfig
 from spec_cli.model.dflash_file import write_dflash_gguf
 from spec_cli.model.dflash_head import DFlashHead, DFlashLayout
+from spec_cli.model.head_file import out_type
 from spec_cli.model.loader import LoadedModel
 from spec_cli.model.quants import load_tensor
 from spec_cli.model.transformer import apply_rope, rope_tables
@@ -73,6 +74,7 @@ class DFlashTrainConfig:
     mask_token: int | None = None  # None: the vocabulary's last id
     checkpoint_every: int = _default("checkpoint_every")
     ridge: float = 1e-2  # relative L2 regularisation of the fc init
+    outtype: str = _default("outtype")  # the written matrices' type (options.HEAD_OUT_TYPES)
     seed: int = _default("seed")
 
 
@@ -273,5 +275,5 @@ def train(loaded: LoadedModel, out_path: str | Path, cfg: DFlashTrainConfig, pro
                                                                   cfg.seed),
                                 progress, t0, out_path, train_w.n_tokens, cfg.gen_tokens // cfg.seq_len * cfg.seq_len,
                                 held.n_tokens)
-    write_dflash_gguf(head, loaded.gguf.path, out_path)
+    write_dflash_gguf(head, loaded.gguf.path, out_path, out_type(cfg.outtype))
     return result

@@ -34,6 +34,7 @@ from spec_cli.errors import SpecCliError
 from spec_cli.model.config import ModelConfig
 from spec_cli.model.eagle3_file import write_eagle3_gguf
 from spec_cli.model.eagle3_head import Eagle3Head, Eagle3Layout
+from spec_cli.model.head_file import out_type
 from spec_cli.model.loader import LoadedModel
 from spec_cli.model.quants import load_tensor
 from spec_cli.model.transformer import apply_rope
@@ -73,6 +74,7 @@ class Eagle3TrainConfig:
     ridge: float = 1e-2  # relative L2 regularisation of the fc init
     checkpoint_every: int = _default("checkpoint_every")
     eval_draft: int = 3  # draft length of the held-out mean acceptance length (llama.cpp's eagle3 default)
+    outtype: str = _default("outtype")  # the written matrices' type (options.HEAD_OUT_TYPES)
     seed: int = _default("seed")
 
 
@@ -272,5 +274,5 @@ def train(loaded: LoadedModel, out_path: str | Path, cfg: Eagle3TrainConfig, pro
         loop, lambda step: ttt_loss(head, teacher, train_w.select(windows(step)), cfg.ttt_steps, bf16),
         lambda: estimate(head, teacher, held, cfg), progress, t0, out_path, train_w.n_tokens,
         cfg.gen_tokens // cfg.seq_len * cfg.seq_len, held.n_tokens)
-    write_eagle3_gguf(head, loaded.gguf.path, out_path)
+    write_eagle3_gguf(head, loaded.gguf.path, out_path, out_type(cfg.outtype))
     return result

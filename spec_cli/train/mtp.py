@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from spec_cli.errors import SpecCliError
 from spec_cli.model.config import ModelConfig
+from spec_cli.model.head_file import out_type
 from spec_cli.model.loader import LoadedModel
 from spec_cli.model.mtp_head import MTPHead, write_gguf_with_head
 from spec_cli.options import MTP_TRAIN_OPTIONS
@@ -65,6 +66,7 @@ class TrainConfig:
     ridge: float = 1e-2  # relative L2 regularisation of the eh_proj least-squares init
     checkpoint_every: int = _default("checkpoint_every")
     draft_vocab: int = _default("draft_vocab")  # tokens the head drafts among (most frequent in the training data)
+    outtype: str = _default("outtype")  # the written head's matrices' type (options.HEAD_OUT_TYPES)
     seed: int = _default("seed")
 
 
@@ -213,7 +215,7 @@ def train(loaded: LoadedModel, out_path: str | Path, cfg: TrainConfig, progress:
     if progress:
         progress(Progress("eval", 1, 1, {"acceptance": acc_after}))
     vocab = draft_vocabulary(feats.tokens, loaded.config.n_vocab, cfg.draft_vocab)
-    write_gguf_with_head(loaded.gguf.path, out_path, head_arrays(head), vocab)
+    write_gguf_with_head(loaded.gguf.path, out_path, head_arrays(head), vocab, out_type(cfg.outtype))
     return TrainResult(out_path, len(losses), feats.tokens.numel(), cfg.gen_tokens // cfg.seq_len * cfg.seq_len,
                        held.tokens.numel(), time.perf_counter() - t0, losses[0] if losses else None,
                        losses[-1] if losses else None, acc_before, acc_after)
