@@ -25,6 +25,8 @@ from spec_cli.speculative import adaptive, verify_costs
 from spec_cli.speculative.adaptive import (
     AUTO_DRAFT_MAX,
     FIRST_PROBE_AFTER,
+    JUDGED_DRAFTS,
+    JUDGED_PROBES,
     PROBE_BUDGET,
     PROBE_GAP_MAX,
     PROBE_GAP_MIN,
@@ -32,6 +34,7 @@ from spec_cli.speculative.adaptive import (
     DraftCost,
     Planner,
     expected_tokens,
+    forwards,
 )
 from spec_cli.speculative.base import Drafter, DraftParams
 from spec_cli.speculative.chain import Chain
@@ -65,9 +68,11 @@ def steep() -> CostModel:
 
 
 def planner_with(costs: CostModel, rates: dict[str, float]) -> Planner:
-    """A planner whose drafters have the given constant conditional acceptance at every position."""
+    """A planner whose drafters have the given constant conditional acceptance at every position, known from drafts
+    the target has judged."""
     planner = Planner(costs)
     planner.acceptance.gains = lambda name: [rates[name] ** j for j in range(1, AUTO_DRAFT_MAX + 1)]
+    planner.n_verified = dict.fromkeys(rates, JUDGED_DRAFTS)
     return planner
 
 
@@ -181,16 +186,19 @@ def test_cold_copies_share_the_calibration():
     assert costs.calibrated and costs(2) == 1.5 and costs.cold()(2) == 1.5  # the steps' lessons stay apart
 
 
-def test_draft_cost_is_seconds_per_produced_token():
+def test_draft_cost_is_seconds_per_forward():
     cost = DraftCost()
-    assert cost.per_token == 0.0  # unknown: optimistic until the first priced call
+    assert cost.per_forward == 0.0  # unknown: optimistic until the first priced call
     cost.observe(5.0, 1)  # the first call pays one-time costs: not priced
-    assert cost.per_token == 0.0
+    assert cost.per_forward == 0.0
     cost.observe(0.4, 4)
-    assert cost.per_token == pytest.approx(0.1)
+    assert cost.per_forward == pytest.approx(0.1)
     for _ in range(200):
-        cost.observe(0.3, 0)  # fruitless calls count as one token each
-    assert cost.per_token == pytest.approx(0.3, rel=1e-3)
+        cost.observe(0.3, 1)
+    assert cost.per_forward == pytest.approx(0.3, rel=1e-3)
+    # a draft filling its cap of 4 ran 4 forwards (the last token is not decoded); stopped by p-min after 2 tokens,
+    # 3 (the third's logits were computed); nothing drafted, its seed row
+    assert [forwards(4, 4), forwards(2, 4), forwards(0, 4), forwards(0, 1)] == [4, 3, 1, 1]
 
 
 def test_calibration_is_cheap_and_leaves_the_kv_cache_as_it_was(tiny_model_path):
@@ -307,17 +315,56 @@ def test_a_costly_drafter_that_seldom_drafts_is_not_asked():
     """A draft model that stops below p-min gives no draft on most asks but pays its seed row every time: the
     planner weighs its gain by the fraction of asks that gave a draft (writing: 29 of 101 asks, 0.80x of plain)."""
     planner = planner_with(flat(), {"x": 0.97})
-    planner.observe_drafting("x", 0.3, 1)  # not priced (first call)
-    planner.observe_drafting("x", 0.3, 1)  # 0.3 forwards per ask
+    planner.observe_drafting("x", 0.3, [(1, 1)])  # not priced (first call)
+    planner.observe_drafting("x", 0.3, [(1, 1)])  # 0.3 forwards per ask
     assert planner.drafting_caps(["x"], 1)["x"] > 0  # a draft on every ask: worth it
     for _ in range(30):
-        planner.observe_yield("x", 1, 0)  # asked, no draft
-    planner.observe_yield("x", 4, 1)
-    assert planner.yields["x"] < 0.3
+        planner.observe_drafting("x", 0.3, [(0, AUTO_DRAFT_MAX)])  # asked, no draft
+    planner.observe_drafting("x", 1.8, [(2, AUTO_DRAFT_MAX)] + [(0, AUTO_DRAFT_MAX)] * 3)  # one short draft
+    assert planner.reach["x"][0] < 0.3
     assert planner.drafting_caps(["x"], 1) == {"x": 0}  # planned at 0: not asked, its probes a shortest gap away
     free = planner_with(flat(), {"x": 0.97})  # the same yield costs nothing to a drafter whose asks are free
-    free.yields["x"] = planner.yields["x"]
+    free.reach["x"] = planner.reach["x"]
     assert free.drafting_caps(["x"], 1)["x"] > 1
+
+
+def test_a_draft_model_is_priced_by_how_far_its_drafts_reach():
+    """A draft model stopped by p-min drafts short: on chat (the 0.5b for the 1.5b, draft-max 4) half its asks gave
+    no draft, a draft reached positions 2, 3 and 4 on 33, 19 and 15 % of asks, 88 % of its tokens were accepted, and
+    it ran at 1.12-1.16x of plain. Its asks cost the forwards they ran, not draft-max of them: priced as if every ask
+    drafted k tokens, it was never asked."""
+    costs = CostModel()  # the 1.5b's curve (ms) in that run, one draft forward 11.5 ms
+    costs.set_points({1: 32.1, 2: 34.3, 3: 34.0, 4: 35.0, 6: 43.5, 8: 53.6, 12: 74.1, 16: 91.5})
+    planner = planner_with(costs, {"x": 0.0})
+    planner.acceptance.gains = lambda name: [0.95, 0.88, 0.68, 0.49] + [0.0] * (AUTO_DRAFT_MAX - 4)
+    # drafts of 0, 1, 2, 3 and 4 tokens on 10, 3, 3, 1 and 3 asks of 20: positions 1-4 reached on 50, 35, 20, 15 %
+    asks = [(n, 4) for n in (0, 1, 0, 2, 0, 4, 0, 1, 0, 2, 0, 3, 0, 4, 0, 1, 0, 2, 0, 4)]
+    planner.observe_drafting("x", 9.0, [(1, 4)])  # the first call is not priced
+    for lengths in asks * 20:
+        planner.observe_drafting("x", 11.5 * forwards(*lengths), [lengths])
+    assert planner.draft_costs["x"].per_forward == pytest.approx(11.5)
+    assert planner.drafting_caps(["x"], 1)["x"] >= 2
+
+
+def test_a_model_drafter_is_probed_until_the_target_has_judged_its_drafts():
+    """Asks stopped by p-min say how seldom a draft model drafts, not how well: planned at 0 before the target has
+    judged JUDGED_DRAFTS of its drafts, it is probed at every step (up to JUDGED_PROBES times), not after the gap
+    a probe's price sets. On chat its first asks come at the start of an answer, where p-min stopped them: it fell
+    to 0 on the prior and its next probe was 256 steps away."""
+    planner = Planner(flat())
+    planner.observe_drafting("x", 9.0, [(1, 1)])  # the first call is not priced
+    for _ in range(4):
+        planner.observe_drafting("x", 0.6, [(0, 2)])  # dear, and stopped by p-min
+    assert [planner.drafting_caps(["x"], 1)["x"] for _ in range(3)] == [1, 1, 1]  # probed at once, step after step
+    for _ in range(JUDGED_DRAFTS):
+        planner.observe_accept("x", 1, 0)  # judged: wrong
+    probes = [planner.drafting_caps(["x"], 1)["x"] for _ in range(PROBE_GAP_MIN)]
+    assert sum(probes) <= 1  # now on the priced schedule
+    never = Planner(flat())  # a drafter p-min always stops is probed JUDGED_PROBES times, then on the schedule
+    never.observe_drafting("x", 9.0, [(0, 1)])
+    never.observe_drafting("x", 0.6, [(0, 1)])
+    probes = [never.drafting_caps(["x"], 1)["x"] for _ in range(2 * JUDGED_PROBES)]
+    assert probes[:JUDGED_PROBES] == [1] * JUDGED_PROBES and sum(probes[JUDGED_PROBES:]) <= 1
 
 
 def test_a_model_drafter_is_asked_only_clear_of_break_even():
@@ -328,8 +375,8 @@ def test_a_model_drafter_is_asked_only_clear_of_break_even():
 
     def cap(seconds_per_token: float, free: bool) -> int:
         planner = planner_with(costs, {"x": 0.5})
-        planner.observe_drafting("x", 9.0, 1)  # the first call is not priced
-        planner.observe_drafting("x", seconds_per_token, 1)
+        planner.observe_drafting("x", 9.0, [(1, 1)])  # the first call is not priced
+        planner.observe_drafting("x", seconds_per_token, [(1, 1)])
         return planner.drafting_caps(["x"], 1, frozenset({"x"}) if free else frozenset())["x"]
 
     # one draft token: 1.5 expected tokens per 1.2 + its price, against 1 per 1.0
@@ -341,9 +388,9 @@ def test_a_model_drafter_is_asked_only_clear_of_break_even():
 def test_draft_cost_caps_drafting_but_a_paid_draft_is_verified():
     # E(k) / (1 + 0.5 k) with a = 0.9 peaks at k = 3 (1.376) before k = 4 (1.365)
     planner = planner_with(flat(), {"x": 0.9})
-    planner.observe_drafting("x", 9.0, 1)  # the first call (one-time costs) is not priced
+    planner.observe_drafting("x", 9.0, [(1, 1)])  # the first call (one-time costs) is not priced
     assert planner.drafting_caps(["x"], 1) == {"x": AUTO_DRAFT_MAX}
-    planner.observe_drafting("x", 0.5, 1)
+    planner.observe_drafting("x", 0.5, [(1, 1)])
     assert planner.drafting_caps(["x"], 1) == {"x": 3}
     assert planner.plan([("x", 8)], 4.0) == [8]  # drafting is spent: verifying all 8 costs nothing more
 
@@ -354,8 +401,8 @@ def test_a_block_drafter_is_priced_per_call_and_its_length_follows_the_verify_co
     and the acceptance."""
     planner = planner_with(flat(), {"x": 0.9})
     planner.per_call = frozenset({"x"})
-    planner.observe_drafting("x", 9.0, 1)  # the first call is not priced
-    planner.observe_drafting("x", 0.5, 1)  # a call that drafted one token
+    planner.observe_drafting("x", 9.0, [(1, 1)])  # the first call is not priced
+    planner.observe_drafting("x", 0.5, [(1, 1)])  # a call that drafted one token
     assert planner.drafting_caps(["x"], 1) == {"x": AUTO_DRAFT_MAX}
     costs = CostModel()  # flat up to 8 rows, then dear
     costs.set_points({1: 1.0, 8: 1.0, 16: 4.0})
@@ -405,8 +452,8 @@ def test_a_free_drafter_planned_at_0_is_shadowed_not_probed():
     for _ in range(5):
         assert planner.drafting_caps(["x"], 1, free) == {"x": 0} and planner.shadowing == {"x"}
         assert planner.plan([(None, 0)], 0.0) == [0]  # nothing verified, no probe
-    planner.observe_drafting("x", 9.0, 1)  # the first call is not priced
-    planner.observe_drafting("x", 0.05, 0)  # a lookup costs 5 % of a forward
+    planner.observe_drafting("x", 9.0, [(1, 1)])  # the first call is not priced
+    planner.observe_drafting("x", 0.05, [(0, 1)])  # a lookup costs 5 % of a forward
     planner.observe_shadow("x", 1, 0)  # scored: its first token was not the target's
     assert planner.acceptance.counts["x"][0][:2] == [0.0, 1.0]  # a trial of position 1, not a hit
     gap = round(0.05 / (PROBE_BUDGET * 1.0))
@@ -427,10 +474,9 @@ def test_a_free_drafter_is_asked_for_its_whole_draft_whatever_its_lookups_cost()
     costs.set_points({1: 0.0145, 2: 0.018, 3: 0.020, 4: 0.028, 6: 0.034, 8: 0.040, 12: 0.058, 16: 0.075})
     planner = planner_with(costs, {"ngram-mod": 0.99})
     for _ in range(40):
-        planner.observe_drafting("ngram-mod", 0.001, 0)  # 1 ms a lookup (a busy machine), mostly without a draft
-        planner.observe_yield("ngram-mod", 1, 0)
-    planner.observe_yield("ngram-mod", 1, 1)
-    assert planner.yields["ngram-mod"] < 0.15
+        planner.observe_drafting("ngram-mod", 0.001, [(0, AUTO_DRAFT_MAX)])  # 1 ms a lookup (a busy machine), ...
+    planner.observe_drafting("ngram-mod", 0.001, [(AUTO_DRAFT_MAX, AUTO_DRAFT_MAX)])  # ... mostly without a draft
+    assert planner.reach["ngram-mod"][0] < 0.15
     assert planner.drafting_caps(["ngram-mod"], 1, frozenset({"ngram-mod"})) == {"ngram-mod": AUTO_DRAFT_MAX}
     assert planner.plan([("ngram-mod", AUTO_DRAFT_MAX)], 0.001) == [AUTO_DRAFT_MAX]
 
@@ -442,8 +488,8 @@ def test_a_free_drafter_is_asked_however_long_it_has_had_no_draft():
     free = frozenset({"ngram-mod"})
     for _ in range(1000):
         assert planner.drafting_caps(["ngram-mod"], 1, free) == {"ngram-mod": AUTO_DRAFT_MAX}
-        planner.observe_yield("ngram-mod", 1, 0)
-    assert planner.yields["ngram-mod"] < 1e-40 and not planner.shadowing
+        planner.observe_drafting("ngram-mod", 1e-4, [(0, AUTO_DRAFT_MAX)])
+    assert planner.reach["ngram-mod"][0] < 1e-40 and not planner.shadowing
 
 
 def test_a_right_but_dear_drafter_is_probed_ever_more_rarely():
@@ -453,8 +499,8 @@ def test_a_right_but_dear_drafter_is_probed_ever_more_rarely():
     costs = CostModel()
     costs.set_points({1: 1.0, 2: 1.5, 64: 32.0})
     planner = planner_with(costs, {"x": 0.5})
-    planner.observe_drafting("x", 9.0, 1)  # not priced
-    planner.observe_drafting("x", 0.3, 1)  # 0.3 forwards per drafted token: pays only when mostly right
+    planner.observe_drafting("x", 9.0, [(1, 1)])  # not priced
+    planner.observe_drafting("x", 0.3, [(1, 1)])  # 0.3 forwards per drafted token: pays only when mostly right
 
     def next_probe(catch_up: float) -> int:
         """Steps to the next probe; the probe then spends `catch_up` seconds catching its cache up."""
@@ -488,8 +534,8 @@ def test_a_draft_models_probes_after_its_first_are_priced_by_its_prompt_prefill_
     price schedules those probes, not the shortest gap. And a probe that turns out dearer than the doubled gap
     allows pushes the next probe out to the price's gap."""
     planner = planner_with(flat(), {"x": 1.0})  # worth asking at first
-    planner.observe_drafting("x", 9.0, 1)  # not priced
-    planner.observe_drafting("x", 0.3, 1)
+    planner.observe_drafting("x", 9.0, [(1, 1)])  # not priced
+    planner.observe_drafting("x", 0.3, [(1, 1)])
     planner.observe_mirroring("x", 1.0)  # the prompt: one forward's worth of prefill
     assert planner.drafting_caps(["x"], 1)["x"] > 0
     planner.observe_mirroring("x", 0.0)  # a verify step's rows: not a probe's price
@@ -570,8 +616,7 @@ def replay_trace(trace: dict, planner: Planner) -> list[tuple[int, int, int]]:
         shadowed = name in planner.shadowing
         drafted = min(proposed, cap)
         if cap or shadowed:
-            planner.observe_yield(name, 1, int(proposed > 0))
-            planner.observe_drafting(name, draft_us / 1e6, drafted)
+            planner.observe_drafting(name, draft_us / 1e6, [(drafted if cap else proposed, cap or AUTO_DRAFT_MAX)])
         k = planner.plan([(name if drafted else None, drafted)], draft_us / 1e6 if cap or shadowed else 0.0)[0]
         if k < drafted and accepted >= k:
             planner.observe_accept(name, k + 1, k + (accepted > k))

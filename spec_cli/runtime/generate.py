@@ -248,11 +248,10 @@ class Generator:
         return params
 
     def _cut_to_plan(self, seqs: list[Sequence], params: dict[int, DraftParams], spent: dict[str, float]) -> None:
-        """Adaptive draft length: tell the planner what drafting cost, then cut every draft to its planned length."""
+        """Adaptive draft length: cut every draft to its planned length (the chain told the planner what drafting
+        cost)."""
         winners = [self.chain.winner(s.seq) for s in seqs]
         lengths = [len(params[s.seq].result) if s.seq in params else 0 for s in seqs]
-        for name, seconds in spent.items():
-            self.planner.observe_drafting(name, seconds, sum(n for w, n in zip(winners, lengths) if w == name))
         for s, w, n, k in zip(seqs, winners, lengths, self.planner.plan(list(zip(winners, lengths)),
                                                                        sum(spent.values()))):
             if k < n:

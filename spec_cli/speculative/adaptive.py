@@ -13,9 +13,10 @@ target's own token,
 g_j never grows with j (a_i <= 1), so E is concave. One step over G sequences with drafts of k_s tokens takes
     time = cost(G * (1 + max_s k_s)) + sum_s c_s * k_s
 where cost(rows) is the verify side of a step (the verify batch is padded to the longest draft: context.py lays it
-out as [G, T]) and c_s the seconds per token of the drafter that drafted sequence s (a model per token for
+out as [G, T]) and c_s the seconds per token of the drafter that drafted sequence s (a model's forward per token for
 draft-simple and draft-mtp, ~0 for the n-gram drafters). The planner maximizes  sum_s E_s(k_s) / time  twice per
-step: before drafting, to cap what each drafter may draft (drafting time still to be spent counts); after drafting,
+step: before drafting, to cap what each drafter may draft (drafting time still to be spent counts, and how far its
+drafts reach: a draft model stops below --draft-p-min, `_uniform_length`); after drafting,
 to choose how much of each draft to verify, where the drafting time is already spent: a fixed term of the
 denominator, so a draft that was paid for is not thrown away for nothing. Maximizing a step's own rate is right
 where the tokens a cut leaves are drafted again at the next step (an n-gram drafter's copied block goes on, a draft
@@ -68,6 +69,13 @@ PROBE_GAP_MIN = 16
 # a 128-token request, and draft-simple, 99 % right on code edits, never drafted in a fresh process (1.01x of plain).
 FIRST_PROBE_AFTER = 1
 PROBE_GAP_MAX = 256
+# A model drafter planned at 0 before JUDGED_DRAFTS of its drafts were judged by the target is planned from priors
+# and from asks that p-min stopped, which say how seldom it drafts, not how well: it is probed at every step instead
+# (one token, its cache still warm), up to JUDGED_PROBES times. Before, draft-simple (the 0.5b for the 1.5b) on chat
+# had its first two asks stopped by p-min at the start of an answer, fell to 0 on the prior a_1 = 0.5, and its next
+# probe was 256 steps away: never asked in a request, where draft-max 4 runs at 1.16x of plain (88 % accepted).
+JUDGED_DRAFTS = 3
+JUDGED_PROBES = 16
 PROBE_BUDGET = 0.01
 # A drafter whose asking costs time (a model's forwards) is asked only where its expected tokens per second beat plain
 # decoding's by this fraction: the cost and acceptance estimates move by a few percent from step to step on a shared
@@ -130,31 +138,37 @@ def expected_tokens(gains: list[float], k: int) -> float:
 
 
 class DraftCost:
-    """A drafter's seconds per drafted token: EMA of the time of its draft calls over EMA of the tokens they
-    produced, where a call that produced nothing counts as one token (so a drafter that often fails, like
-    draft-simple stopping at p-min, looks as expensive as the time it wastes). The first call is not priced: it
-    pays one-time costs (48 ms instead of 21 for one 0.5b draft token), and as the first price, which the EMA only
-    slowly forgets, it kept a 98 %-accepted draft model from ever drafting again."""
+    """A drafter's seconds per draft forward: EMA of the time of its draft calls over EMA of the forwards they ran
+    (`forwards`: a draft stopped below --draft-p-min ran one past its last token, and a call that drafted nothing
+    ran its seed row, so a drafter that often fails looks as expensive as the time it wastes). The first call is
+    not priced: it pays one-time costs (48 ms instead of 21 for one 0.5b draft token), and as the first price, which
+    the EMA only slowly forgets, it kept a 98 %-accepted draft model from ever drafting again."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self.tokens = 0.0
+        self.forwards = 0.0
         self.warm = False
 
-    def observe(self, seconds: float, n_tokens: int) -> None:
+    def observe(self, seconds: float, n_forwards: int) -> None:
         if not self.warm:
             self.warm = True
             return
-        n = max(n_tokens, 1)
-        if self.tokens == 0.0:
-            self.seconds, self.tokens = seconds, float(n)
+        n = max(n_forwards, 1)
+        if self.forwards == 0.0:
+            self.seconds, self.forwards = seconds, float(n)
         else:
             self.seconds += COST_EMA * (seconds - self.seconds)
-            self.tokens += COST_EMA * (n - self.tokens)
+            self.forwards += COST_EMA * (n - self.forwards)
 
     @property
-    def per_token(self) -> float:
-        return self.seconds / self.tokens if self.tokens else 0.0  # unknown until its first call: optimistic
+    def per_forward(self) -> float:
+        return self.seconds / self.forwards if self.forwards else 0.0  # unknown until its first call: optimistic
+
+
+def forwards(n_drafted: int, most: int) -> int:
+    """Forwards of a token-by-token draft call that drafted n_drafted tokens of at most `most`: the seed row's, then
+    one per drafted token but the last, or but none where a token below --draft-p-min ended the draft."""
+    return min(n_drafted + 1, max(most, 1))
 
 
 class Planner:
@@ -167,7 +181,9 @@ class Planner:
         self.n_max = n_max
         self.acceptance = AcceptanceModel(n_max)
         self.draft_costs: dict[str, DraftCost] = {}
-        self.yields: dict[str, float] = {}  # per drafter, the decayed fraction of asks that gave a draft at all
+        # per drafter, r_j: the decayed fraction of asks whose draft reached position j, where the cap allowed it
+        # (a draft model stops below --draft-p-min: at once on a third to a half of its asks on chat)
+        self.reach: dict[str, list[float]] = {}
         self.step = 0
         self.next_probe: dict[str, int] = {}
         self.probe_gap: dict[str, int] = {}
@@ -180,6 +196,8 @@ class Planner:
         self.probe_catch_up: dict[str, float] = {}  # seconds the last probe of a drafter caught up
         self.mirroring_price: dict[str, float] = {}  # its dearest mirroring (a prompt's): priced until measured
         self.unasked: set[str] = set()  # model drafters not asked yet: their first ask finds the prompt in cache
+        self.n_verified: dict[str, int] = {}  # drafts of a drafter the target has judged (verified or scored)
+        self.unjudged_probes: dict[str, int] = {}  # probes granted while it had fewer than JUDGED_DRAFTS of them
         # drafters whose draft is one forward whatever its length (draft-dflash's block): their drafting is priced
         # per call, shared by the sequences of the step, so only the verify cost and acceptance choose the length
         self.per_call: frozenset[str] = frozenset()
@@ -210,7 +228,10 @@ class Planner:
                 self._schedule_probe(name, self._probe_gap_min(name))
             else:
                 self.dropped.add(name)
-                if self.step >= self.next_probe[name]:
+                if self._unjudged(name):
+                    self.probing.add(name)  # at the price of one token: its cache is still warm
+                    self.unjudged_probes[name] = self.unjudged_probes.get(name, 0) + 1
+                elif self.step >= self.next_probe[name]:
                     self.probing.add(name)
                     self._spend_probe(name)  # paid for by the asking
                 k = 1 if name in self.probing else 0
@@ -267,35 +288,50 @@ class Planner:
     def _draft_pays(self, name: str, n_seq: int) -> bool:
         """Whether a free drafter's draft, whenever it has one, pays for its verify rows at some length:
         E(k) / cost(n_seq (1 + k)) > 1 / cost(n_seq) per sequence. How seldom it drafts does not enter: an ask that
-        finds nothing costs nothing. Weighed by its yield y as a paid drafter is (`_uniform_length`), where y
-        cancels only on paper, the rate tied with plain decoding's in floating point once y had decayed below
-        1e-16 (some 350 asks without a draft; a server's planner lives across requests): ngram-mod, at a copied
-        block after 417 draftless steps of free writing (the writing set at -n 128), was shadowed and its first
-        16-token draft, accepted whole, scored instead of verified."""
+        finds nothing costs nothing. Weighed by the fraction y of asks that gave a draft, as a paid drafter's reach
+        is (`_uniform_length`), where y cancels only on paper, the rate tied with plain decoding's in floating point
+        once y had decayed below 1e-16 (some 350 asks without a draft; a server's planner lives across requests):
+        ngram-mod, at a copied block after 417 draftless steps of free writing (the writing set at -n 128), was
+        shadowed and its first 16-token draft, accepted whole, scored instead of verified."""
         gains, plain = self.acceptance.gains(name), self.costs(n_seq)
         return any(expected_tokens(gains, k) * plain > self.costs(n_seq * (1 + k)) for k in range(1, self.n_max + 1))
 
     def _uniform_length(self, name: str, n_seq: int) -> int:
         """argmax_k of the tokens per second if every sequence asked drafter `name`, whose asking costs time, for k
-        tokens: with y the fraction of asks that give a draft at all (a draft model stops below --draft-p-min and
-        then gives none, but its seed row was paid for), (1 + y (E(k) - 1)) / ((y cost(n_seq (1 + k)) + (1 - y)
-        cost(n_seq)) / n_seq + ask(k)); 0 unless that beats plain decoding by ASK_MARGIN. ask(k), the drafting
-        time per sequence, is k c for a model drafter (c: its seconds per drafted token) and c / n_seq for a
-        per-call (block) drafter (c: its seconds per call, shared by the step's sequences). A free drafter (an
-        n-gram lookup) is judged by `_draft_pays` instead: its lookups take 0.02-0.2 ms against a 0.5b forward's
-        14.5, but priced per token, their EMA (one call preempted for 7-30 ms on a busy machine included) counted
-        k times on every ask against a gain that comes with 1 ask in y: ngram-mod, drafting on 7 % of code-edit
-        steps, was capped at a few tokens or dropped."""
-        gains, y = self.acceptance.gains(name), self.yields.get(name, 1.0)
-        plain = self.costs(n_seq)
+        tokens, where its draft reaches position j with probability r_j (`reach`: a draft model stops below
+        --draft-p-min, and then gives none, but its seed row was paid for):
+            (1 + sum_{j<=k} r_j g_j) / (verify(k) / n_seq + ask(k)),
+            verify(k) = cost(n_seq) + sum_{j<=k} r_j (cost(n_seq (1 + j)) - cost(n_seq j)),
+        0 unless that beats plain decoding by ASK_MARGIN. ask(k), the drafting time per sequence, is f times the
+        expected forwards 1 + r_1 + ... + r_{k-1} for a model drafter (f: its seconds per forward) and f / n_seq for
+        a per-call (block) drafter (f: its seconds per call, shared by the step's sequences). Priced as if every
+        draft had k tokens, draft-simple's asks stopped by p-min looked k times dearer than they were and its shorter
+        drafts as long: on chat (half its asks stopped, 88 % of its tokens accepted; 1.16x of plain at draft-max 4)
+        it was never asked. A free drafter (an n-gram lookup) is judged by `_draft_pays` instead: its lookups take
+        0.02-0.2 ms against a 0.5b forward's 14.5, but priced per token, their EMA (one call preempted for 7-30 ms
+        on a busy machine included) counted k times on every ask against a gain that comes with 1 ask in r_1:
+        ngram-mod, drafting on 7 % of code-edit steps, was capped at a few tokens or dropped."""
+        gains, reach = self.acceptance.gains(name), self._reach(name)
+        plain, f = self.costs(n_seq), self._draft_cost(name)
         best_k, best = 0, (1.0 + ASK_MARGIN) / (plain / n_seq)
+        expected, verify, n_forwards = 1.0, plain, 1.0
         for k in range(1, self.n_max + 1):
-            verify = y * self.costs(n_seq * (1 + k)) + (1 - y) * plain
-            asking = self._draft_cost(name) * (1 / n_seq if name in self.per_call else k)
-            rate = (1 + y * (expected_tokens(gains, k) - 1)) / (verify / n_seq + asking)
+            expected += reach[k - 1] * gains[k - 1]
+            verify += reach[k - 1] * (self.costs(n_seq * (1 + k)) - self.costs(n_seq * k))
+            n_forwards += reach[k - 2] if k > 1 else 0.0
+            asking = f / n_seq if name in self.per_call else f * n_forwards
+            rate = expected / (verify / n_seq + asking)
             if rate > best:
                 best_k, best = k, rate
         return best_k
+
+    def _reach(self, name: str) -> list[float]:
+        """r_1..r_n_max, never growing with j; a position no cap has allowed yet takes the one before's."""
+        out, r = [], 1.0
+        for observed in self.reach.get(name) or [1.0] * self.n_max:
+            r = min(r, observed)
+            out.append(r)
+        return out
 
     def _with_probes(self, drafts: list[tuple[str | None, int]], lengths: list[int]) -> list[int]:
         """A drafter granted a probe verifies one token of its first draft the plan would have dropped."""
@@ -304,6 +340,11 @@ class Planner:
                 lengths[s] = 1
                 self.probing.discard(name)
         return lengths
+
+    def _unjudged(self, name: str) -> bool:
+        """Whether a model drafter planned at 0 still rests on its priors (fewer than JUDGED_DRAFTS of its drafts
+        judged by the target) and may be probed at once, up to JUDGED_PROBES times."""
+        return self.n_verified.get(name, 0) < JUDGED_DRAFTS and self.unjudged_probes.get(name, 0) < JUDGED_PROBES
 
     def _spend_probe(self, name: str) -> None:
         """The next probe after the doubled gap, or longer where the last probe showed a dearer price than the gap
@@ -326,14 +367,21 @@ class Planner:
 
     def _draft_cost(self, name: str) -> float:
         cost = self.draft_costs.get(name)
-        return cost.per_token if cost else 0.0
+        return cost.per_forward if cost else 0.0
 
     # --- learning -------------------------------------------------------------------------------------------
 
-    def observe_drafting(self, name: str, seconds: float, n_tokens: int) -> None:
-        """One draft call of drafter `name` took `seconds` and produced `n_tokens` over all sequences (a per-call
-        drafter's price is the call's)."""
-        self.draft_costs.setdefault(name, DraftCost()).observe(seconds, 1 if name in self.per_call else n_tokens)
+    def observe_drafting(self, name: str, seconds: float, drafts: list[tuple[int, int]]) -> None:
+        """One draft call of drafter `name` took `seconds` and drafted, per sequence asked, (tokens, the most it
+        could draft): what it costs per forward (a per-call drafter's price is the call's) and how far its drafts
+        reach."""
+        n_forwards = 1 if name in self.per_call else sum(forwards(n, most) for n, most in drafts)
+        self.draft_costs.setdefault(name, DraftCost()).observe(seconds, n_forwards)
+        reach = self.reach.setdefault(name, [1.0] * self.n_max)
+        for j in range(self.n_max):
+            allowed = [n > j for n, most in drafts if most > j]
+            if allowed:
+                reach[j] += (1 - ACCEPT_DECAY) * (sum(allowed) / len(allowed) - reach[j])
 
     def observe_catch_up(self, name: str, seconds: float) -> None:
         """Drafter `name` spent `seconds` bringing its cache up to date before drafting (its `catch_up`): a probe's
@@ -353,13 +401,10 @@ class Planner:
         free."""
         self.mirroring_price[name] = max(self.mirroring_price.get(name, 0.0), seconds)
 
-    def observe_yield(self, name: str, n_asked: int, n_drafts: int) -> None:
-        """Drafter `name` was asked to draft for n_asked sequences and gave n_drafts non-empty drafts."""
-        y = self.yields.get(name, 1.0)
-        self.yields[name] = y + (1 - ACCEPT_DECAY) * (n_drafts / n_asked - y)
-
     def observe_accept(self, name: str, n_drafted: int, n_accepted: int) -> None:
         self.acceptance.observe(name, n_drafted, n_accepted)
+        if n_drafted:
+            self.n_verified[name] = self.n_verified.get(name, 0) + 1
 
     def observe_shadow(self, name: str, n_scored: int, n_matched: int) -> None:
         """A shadowed drafter's draft, scored against the tokens the step committed: its first n_matched tokens

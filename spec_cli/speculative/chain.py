@@ -134,6 +134,7 @@ class Chain:
                         p.probs = p.probs[: p.n_max]
                 if not p.result:
                     p.probs = None
+            lengths = [(len(p.result), p.n_max) for p in asking]
         st = self.stats[d.name]
         st.n_call_draft += 1
         for p in asking:
@@ -144,7 +145,7 @@ class Chain:
         st.n_proposed += n_drafts
         if self.planner is not None:
             self.planner.observe_catch_up(d.name, t0 - t_catch_up)
-            self.planner.observe_yield(d.name, len(asking), n_drafts)
+            self.planner.observe_drafting(d.name, t1 - t0, lengths)
         st.t_draft_us += (t1 - t_catch_up) * 1e6
         return t1 - t0
 

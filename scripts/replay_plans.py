@@ -1,0 +1,185 @@
+"""Draft lengths compared without the machine's noise: the real step loop, drafters and planner run every
+configuration over a prompt set's greedy outputs, with the target's forward replaced by an oracle that answers from
+those outputs and charges the verify-cost curve's time for its rows.
+
+Why: `spec-cli bench --draft-max 4,8,16,auto` compares configurations that differ by a few percent on a VM that
+drifts 15-30 % between runs, and on sets where drafts are rare the differences hide in the noise. Greedy speculation
+commits the plain output token for token, so the target's answers are known in advance: what decides the speed is
+then how many steps of how many rows each configuration takes, which this replays exactly, plus the drafting,
+planning and bookkeeping, which run for real and are timed. The one model in it is the cost of a target forward of
+k rows, the same curve `--draft-max auto` plans with (calibrated on this machine, or read from its cache), so a
+configuration's modeled speed is what it would run at if forwards cost what the planner believes they cost: `auto`
+loses to a fixed length here only by its own choices.
+
+    python scripts/replay_plans.py -m qwen2.5-coder-0.5b --spec-type "ngram-mod;ngram-cache" \
+        --draft-max 4,8,16,auto --prompt-set code-edit,writing,chat -n 64
+
+Drafters that read the target's hidden states (draft-mtp, draft-eagle3, draft-dflash, draft-dspark) cannot run
+against the oracle; a draft model (-md, draft-simple) runs for real.
+"""
+
+from __future__ import annotations
+
+import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
+
+# isort: split
+
+import argparse
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from spec_cli.model.batch import Batch
+from spec_cli.model.context import DecodeOutput
+from spec_cli.model.sampling import SamplingParams
+from spec_cli.options import draft_bound, draft_max, spec_types
+from spec_cli.runtime.engine import EngineOptions, build_engine
+from spec_cli.runtime.session import Session
+from spec_cli.speculative.base import SpecParams
+from spec_cli.speculative.verify_costs import CostModel
+from spec_cli.text.prompt_sets import load_prompt_set, render_tokens
+
+GREEDY = SamplingParams(temp=0.0)
+READS_TARGET_STATES = {"draft-mtp", "draft-eagle3", "draft-dflash", "draft-dspark"}
+
+
+class FrozenCosts(CostModel):
+    """The calibrated curve, not refined by the steps: the oracle's forwards take no real time to learn from."""
+
+    def observe(self, rows: int, seconds: float) -> None:
+        pass
+
+    def cold(self) -> FrozenCosts:
+        return self
+
+
+class OracleContext:
+    """Stands in for the target context: per sequence the whole greedy stream (prompt, then output), each row with
+    logits answered by a one-hot row at the stream's next token; every decode adds the curve's seconds for its rows
+    to `modeled_s` and its own real time to `real_s` (taken out of the step's measured time)."""
+
+    def __init__(self, ctx, costs: CostModel) -> None:
+        self.config, self.device = ctx.config, ctx.device
+        self.n_seq, self.n_ctx, self.n_ctx_seq, self.n_batch = ctx.n_seq, ctx.n_ctx, ctx.n_ctx_seq, ctx.n_batch
+        self.costs = costs
+        self.streams: dict[int, list[int]] = {}
+        self.modeled_s = self.real_s = 0.0
+
+    def decode(self, batch: Batch, hidden: bool = False) -> DecodeOutput:
+        t0 = time.perf_counter()
+        rows = [i for i in range(len(batch)) if batch.logits[i]]
+        logits = torch.zeros(len(rows), self.config.n_vocab)
+        for r, i in enumerate(rows):
+            stream, nxt = self.streams[batch.seq_ids[i]], batch.pos[i] + 1
+            logits[r, stream[nxt] if nxt < len(stream) else 0] = 1.0
+        self.modeled_s += self.costs(len(batch))
+        self.real_s += time.perf_counter() - t0
+        return DecodeOutput(logits, None)
+
+    def seq_rm(self, seq: int, p0: int, p1: int = -1) -> None:
+        pass
+
+    def clear(self) -> None:
+        pass
+
+    def set_taps(self, layers) -> None:
+        if tuple(layers):
+            raise SystemExit("drafters that read the target's hidden states cannot run against the oracle")
+
+
+@dataclass
+class Replay:
+    seconds: float = 0.0  # modeled: the oracle's forwards at the curve's cost, the rest of each step as timed
+    tokens: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+
+def greedy_outputs(session: Session, prompts: list[list[int]], n_predict: int) -> list[tuple[list[int], int | None]]:
+    """The plain greedy output of every prompt on the real target, and the end-of-generation token it stopped at."""
+    outputs = []
+    for prompt in prompts:
+        session.reset()
+        gen = session.generator()
+        out = gen.start(0, prompt, GREEDY, n_predict).tokens
+        s = gen.active[0]
+        while emitted := gen.step():
+            out += [t for e in emitted for t in e.tokens]
+        outputs.append((out, s.id_last if s.finish_reason == "stop" else None))
+        gen.finish(0)
+    return outputs
+
+
+def replay(session: Session, oracle: OracleContext, prompts: list[list[int]],
+           outputs: list[tuple[list[int], int | None]], n_predict: int) -> Replay:
+    """Every prompt through `session`'s step loop against the oracle; checks that the output is the plain one."""
+    result = Replay()
+    for prompt, (expected, stop) in zip(prompts, outputs):
+        oracle.streams[0] = prompt + expected + ([stop] if stop is not None else [])
+        gen = session.generator()
+        out = gen.start(0, prompt, GREEDY, n_predict).tokens
+        s = gen.active[0]
+        oracle.modeled_s = oracle.real_s = 0.0
+        while emitted := gen.step():
+            out += [t for e in emitted for t in e.tokens]
+        if out != expected:
+            raise SystemExit(f"{session.types} {session.n_draft}: the output differs from the plain one")
+        result.seconds += gen.timings.t_gen_ms / 1000 - oracle.real_s + oracle.modeled_s
+        result.tokens += len(out) - 1  # the first token comes with the prompt
+        result.steps += s.n_steps
+        result.drafted += s.n_drafted
+        result.accepted += s.n_accepted
+        gen.finish(0)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-m", "--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("-md", "--model-draft", default=None)
+    ap.add_argument("--spec-type", required=True, help="chains separated by ';', drafters of one chain by ','")
+    ap.add_argument("--draft-max", default="4,8,16,auto")
+    ap.add_argument("--prompt-set", default="code-edit,writing,chat")
+    ap.add_argument("-n", "--n-predict", type=int, default=64)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    engine = build_engine(EngineOptions(model=args.model, model_draft=args.model_draft, n_ctx=4096,
+                                        threads=args.threads))
+    plain = Session(engine, SpecParams())
+    chains = [spec_types(chain) for chain in args.spec_type.split(";")]
+    if any(READS_TARGET_STATES & set(chain) for chain in chains):
+        raise SystemExit(f"{', '.join(sorted(READS_TARGET_STATES))} read the target's states: not replayable")
+    lengths = [draft_max(v) for v in args.draft_max.split(",")]
+    print(f"{args.model}, -n {args.n_predict}, {args.threads} threads: modeled speed-up over plain decoding "
+          "(steps; draft tokens accepted / drafted)")
+    for set_name in args.prompt_set.split(","):
+        prompts = [render_tokens(p, engine.tokenizer) for p in load_prompt_set(set_name).prompts]
+        outputs = greedy_outputs(plain, prompts, args.n_predict)
+        if not engine.costs.calibrated:  # at the first prompt's depth, as a command's first step does
+            plain.reset()
+            plain.generator().start(0, prompts[0], GREEDY, 1)
+            engine.costs.calibrate(engine.ctx, 0)
+        costs = FrozenCosts()
+        costs.set_points(dict(zip(engine.costs.rows, engine.costs.seconds)))
+        oracle = OracleContext(engine.ctx, costs)
+        virtual = replace(engine, ctx=oracle, costs=costs)
+        base = replay(Session(virtual, SpecParams()), oracle, prompts, outputs, args.n_predict)
+        print(f"\n{set_name}: plain {base.tokens / base.seconds:.1f} tok/s modeled, {base.steps} steps\n")
+        print("| chain | " + " | ".join(f"draft-max {n}" for n in lengths) + " |")
+        print("|---|" + "---:|" * len(lengths))
+        for chain in chains:
+            cells = []
+            for n in lengths:
+                bound, adaptive = draft_bound(n)
+                spec = SpecParams(types=chain, draft_max=bound, adaptive=adaptive)
+                r = replay(Session(virtual, spec), oracle, prompts, outputs, args.n_predict)
+                speed = (r.tokens / r.seconds) / (base.tokens / base.seconds)
+                cells.append(f"{speed:.3f} ({r.steps}; {r.accepted}/{r.drafted})")
+            print(f"| {','.join(chain)} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""scripts/replay_plans.py: the oracle target replays the steps the real target takes, and the script runs end to
+end on the tiny models."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from spec_cli.runtime.session import Session
+from spec_cli.speculative.base import SpecParams
+from tests.test_generate import PROMPTS, SMALL, make_session
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "replay_plans.py"
+N = 24
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("replay_plans", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_oracle_takes_the_real_targets_steps(tiny_model_path):
+    """At a fixed draft length an n-gram drafter's drafts depend on the committed tokens only, so replayed against
+    the oracle every configuration takes the steps, drafts and acceptances of a run on the real target."""
+    rp = load_script()
+    real = make_session(tiny_model_path, "ngram-simple", draft_max=4)
+    plain = Session(real.engine, SpecParams())
+    outputs = rp.greedy_outputs(plain, PROMPTS, N)
+    steps = []
+    for prompt in PROMPTS:
+        real.reset()
+        gen = real.generator()
+        gen.start(0, prompt, rp.GREEDY, N)
+        s = gen.active[0]
+        while gen.step():
+            pass
+        steps.append((s.n_steps, s.n_drafted, s.n_accepted))
+    assert sum(n for n, _, _ in steps) < sum(len(out) for out, _ in outputs)  # the drafts pay on these prompts
+    costs = rp.FrozenCosts()
+    costs.set_points({1: 1.0, 4: 1.5, 64: 32.0})
+    oracle = rp.OracleContext(real.engine.ctx, costs)
+    virtual = replace(real.engine, ctx=oracle, costs=costs)
+    spec = SpecParams(types=["ngram-simple"], draft_max=4, draft_p_min=0.0, **SMALL)
+    replayed = [rp.replay(Session(virtual, spec), oracle, [p], [out], N) for p, out in zip(PROMPTS, outputs)]
+    assert [(r.steps, r.drafted, r.accepted) for r in replayed] == steps
+    # the forwards are charged at the curve's cost: each step's rows, none at their real time
+    assert all(r.seconds >= costs(1) * r.steps for r in replayed)
+
+
+def test_replay_plans_prints_a_table_per_prompt_set(tiny_model_path, tiny_close_draft_path):
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "-m", str(tiny_model_path), "-md", str(tiny_close_draft_path), "--spec-type",
+         "ngram-simple;draft-simple", "--draft-max", "4,auto", "--prompt-set", "code-edit", "-n", "8", "-t", "1"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert rows[0] == "| chain | draft-max 4 | draft-max auto |"
+    assert [row.split(" | ")[0] for row in rows[1:]] == ["| ngram-simple", "| draft-simple"]
