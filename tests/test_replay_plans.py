@@ -12,7 +12,7 @@ from pathlib import Path
 
 from spec_cli.runtime.session import Session
 from spec_cli.speculative.base import SpecParams
-from tests.test_generate import PROMPTS, SMALL, make_session
+from tests.test_generate import PROMPTS, SMALL, make_session, run
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "replay_plans.py"
@@ -34,15 +34,7 @@ def test_the_oracle_takes_the_real_targets_steps(tiny_model_path):
     real = make_session(tiny_model_path, "ngram-simple", draft_max=4)
     plain = Session(real.engine, SpecParams())
     outputs = rp.greedy_outputs(plain, PROMPTS, N)
-    steps = []
-    for prompt in PROMPTS:
-        real.reset()
-        gen = real.generator()
-        gen.start(0, prompt, rp.GREEDY, N)
-        s = gen.active[0]
-        while gen.step():
-            pass
-        steps.append((s.n_steps, s.n_drafted, s.n_accepted))
+    steps = [(s.n_steps, s.n_drafted, s.n_accepted) for s in (run(real, prompt, N)[1] for prompt in PROMPTS)]
     assert sum(n for n, _, _ in steps) < sum(len(out) for out, _ in outputs)  # the drafts pay on these prompts
     costs = rp.FrozenCosts()
     costs.set_points({1: 1.0, 4: 1.5, 64: 32.0})
