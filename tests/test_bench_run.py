@@ -232,12 +232,12 @@ def test_progress_announces_the_grid_then_counts_every_timed_run(tiny_model_path
     start, *rest = recorder.events
     # pp, tg, verify, then plain + ngram-simple over the set's 2 prompts: 3 x 2 + 2 x 2 x 2 runs
     assert start == ("start", 5, 14)
-    # the spec tests of one target run round-robin, a repetition each: plain, ngram-simple, plain, ngram-simple
-    assert [e[1] for e in rest if e[0] == "test"] == [0, 1, 2, 3, 4, 3, 4]
+    # the spec tests of one target run round-robin, a prompt each, the order turning by one at every prompt
+    assert [e[1] for e in rest if e[0] == "test"] == [0, 1, 2] + [3, 4, 4, 3] * 2
     assert sum(e[1] for e in rest if e[0] == "runs") == 14
     spec_runs = [e for e in rest[rest.index(("test", 3)):] if e[0] == "runs"]
     assert spec_runs == [("runs", 1)] * 8  # one tick per prompt: a long speculative test moves the bar
-    assert [e[0] for e in rest[rest.index(("test", 3)):]] == ["test", "runs", "runs"] * 4
+    assert [e[0] for e in rest[rest.index(("test", 3)):]] == ["test", "runs"] * 8
 
 
 # --- CLI --------------------------------------------------------------------------------------------------
@@ -287,7 +287,9 @@ def test_cli_prints_the_grid_size_first_and_a_bar_only_on_a_terminal(capsys, mon
     assert "bench: 2 tests, 2 repetitions each: 8 timed runs (a speculative run is one prompt of its set)" in first
     assert ("━" in err) is terminal  # the bar's
     if terminal:
-        assert "bench 2/2" in err and "8/8" in err  # the last frame: every run counted
+        # the last frame: every run counted; the order turns by one per prompt, so the set's second prompt ran
+        # ngram-simple's first and plain's last
+        assert "bench 1/2" in err and "8/8" in err
 
 
 def test_cli_usage_errors(tiny_model_path):

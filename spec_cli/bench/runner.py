@@ -16,8 +16,8 @@ What is timed, exactly:
   repetitions (llama.cpp's definitions, speculative/stats.py), and `text_hash` is the sha256 of the token ids a
   repetition generated (every prompt's list in order; several comma-joined if repetitions differed), so that a
   change of output is visible without storing it. The spec tests of one target model run round-robin, one
-  repetition of each in turn (`run_bench`), so the plain row that is `speedup`'s reference and the speculative
-  rows are measured side by side, not one after the other over minutes of a drifting machine.
+  prompt of each in turn (`run_bench`), so the plain row that is `speedup`'s reference and the speculative
+  rows are measured side by side, seconds apart, not one after the other over minutes of a drifting machine.
 
 Cold and warm: by default every speculative repetition is cold, exactly like a fresh process: `Session.renew`
 empties the KV caches and makes fresh drafters (empty n-gram pools, cleared draft context). Within a
@@ -200,7 +200,7 @@ class Models:
 # --- the main loop ------------------------------------------------------------------------------------------
 
 def run_bench(params: BenchParams, progress: Progress | None = None) -> list[Result]:
-    """Run every instance (the spec tests of one target interleaved by repetition); returns the rows in the
+    """Run every instance (the spec tests of one target interleaved by prompt); returns the rows in the
     instances' order, speed-ups filled in."""
     progress = progress or Progress()
     todo = instances(params)
@@ -217,16 +217,27 @@ def run_bench(params: BenchParams, progress: Progress | None = None) -> list[Res
         return torch.get_num_threads()
 
     def run_spec_group() -> None:
-        """One repetition of every spec test of the group in turn, `repetitions` times: the plain row and the
-        speculative rows it is the speedup's reference for are measured minutes apart at most, so a machine's
-        drift (tens of percent over minutes on shared hosts) lands on every row alike."""
+        """`repetitions` times, every spec test of the group a prompt at a time in turn (the order turning by one
+        each prompt): the plain row and the speculative rows it is the speedup's reference for are measured
+        seconds apart, so a shared host's swings (10-25 % between 10-second samples of the same work here) land
+        on every row alike. Interleaved by repetition, identical work (a drafter that never drafted) read
+        0.88-1.11x of plain in one run."""
+        longest = max(len(run.prompts) for _, run in spec_runs)
         for rep in range(params.repetitions):
-            for i, run in spec_runs:
-                progress.test(i, _describe(run.inst) + (f" (rep {rep + 1}/{params.repetitions})"
-                                                         if params.repetitions > 1 else ""))
-                time.sleep(params.delay)  # --delay: 0 by default
-                threads(run.inst)
-                run.repetition()
+            for _, run in spec_runs:
+                run.start_repetition()
+            for p in range(longest):
+                turn = p % len(spec_runs)
+                for i, run in spec_runs[turn:] + spec_runs[:turn]:
+                    if p < len(run.prompts):
+                        progress.test(i, _describe(run.inst) + (f" (rep {rep + 1}/{params.repetitions})"
+                                                                 if params.repetitions > 1 else ""))
+                        if p == 0:
+                            time.sleep(params.delay)  # --delay: 0 by default
+                        threads(run.inst)
+                        run.run_prompt(p)
+            for _, run in spec_runs:
+                run.end_repetition()
         for _, run in spec_runs:
             rows.append(run.result())
             progress.log(_summary(rows[-1]))
@@ -423,7 +434,7 @@ class _Tally:
 
 
 class SpecRun:
-    """One speculative test: its session (set up and warmed up on creation), run a repetition at a time
+    """One speculative test: its session (set up and warmed up on creation), run a prompt at a time
     (`run_bench` interleaves the spec tests of one target), its tallies pooled into one row."""
 
     def __init__(self, model: BenchModel, draft: BenchModel | None, bridge: VocabBridge | None, inst: Instance,
@@ -452,6 +463,8 @@ class SpecRun:
         self.row = Result(**{**head, "n_prompt": sum(len(p) for p in self.prompts)})
         self.set_name = prompt_set.name
         self.tally = _Tally()
+        self.rep_start = (0, 0)  # the tally's (gen_ns, n_tokens) when the repetition began
+        self.text = hashlib.sha256()  # of the repetition's generated token ids
 
     def _synthetic(self, model: BenchModel, engine: Engine, seed: int) -> DrafterMaker:
         """--spec-accept: the chain is the synthetic drafter alone, drafting from the target's greedy continuations
@@ -468,26 +481,29 @@ class SpecRun:
         rates = accept_rates(self.inst.test.spec_accept)
         return lambda inputs: [SyntheticDrafter(rates, seed, references, model.loaded.config.n_vocab, inputs.n_seq)]
 
-    def repetition(self) -> None:
-        """Every prompt of the set once, on a fresh chain unless --warm; one sample of the row."""
-        tally = self.tally
+    def start_repetition(self) -> None:
+        """A repetition (one sample of the row: every prompt of the set once, `run_prompt`) begins, on a fresh
+        chain unless --warm."""
         if self.used and not self.params.warm:
             self.session = self.session.renew()
         self.used = True
-        ns_before, tokens_before = tally.gen_ns, tally.n_tokens
-        text = hashlib.sha256()
-        for tokens in self.prompts:
-            text.update(json.dumps(_generate(self.session, tokens, self.sampling, self.inst.test.n_gen, self.sync,
-                                             tally)).encode())
-            self.progress.runs_done()
-        digest = text.hexdigest()[:TEXT_HASH_LEN]
+        self.rep_start = (self.tally.gen_ns, self.tally.n_tokens)
+        self.text = hashlib.sha256()
+
+    def run_prompt(self, i: int) -> None:
+        self.text.update(json.dumps(_generate(self.session, self.prompts[i], self.sampling, self.inst.test.n_gen,
+                                              self.sync, self.tally)).encode())
+        self.progress.runs_done()
+
+    def end_repetition(self) -> None:
+        tally = self.tally
+        digest = self.text.hexdigest()[:TEXT_HASH_LEN]
         if digest not in tally.text_hashes:  # greedy (and seeded) repetitions all generate the same text
             tally.text_hashes.append(digest)
-        ns = tally.gen_ns - ns_before
+        ns, n_tokens = tally.gen_ns - self.rep_start[0], tally.n_tokens - self.rep_start[1]
         self.row.samples_ns.append(ns)
-        self.row.samples_ts.append(1e9 * (tally.n_tokens - tokens_before) / ns if ns else 0.0)
-        self.progress.log(f"  rep {len(self.row.samples_ns)}: {tally.n_tokens - tokens_before} tokens in "
-                          f"{ns / 1e6:.1f} ms")
+        self.row.samples_ts.append(1e9 * n_tokens / ns if ns else 0.0)
+        self.progress.log(f"  rep {len(self.row.samples_ns)}: {n_tokens} tokens in {ns / 1e6:.1f} ms")
 
     def result(self) -> Result:
         row = self.row
