@@ -240,6 +240,14 @@ def test_progress_announces_the_grid_then_counts_every_timed_run(tiny_model_path
     assert [e[0] for e in rest[rest.index(("test", 3)):]] == ["test", "runs"] * 8
 
 
+def test_spec_tests_interleave_only_with_the_tests_of_their_plain_row(tiny_model_path, prompt_file):
+    """Each temperature has its own plain row: its tests run round-robin together, then the next temperature's."""
+    recorder = Recorder()
+    run_bench(tiny(tiny_model_path, random_tests=False, spec_type=["ngram-simple"], prompt_sets=[str(prompt_file)],
+                   n_gen=[2], temp=[0.0, 0.8], repetitions=1), recorder)
+    assert [e[1] for e in recorder.events if e[0] == "test"] == [0, 1, 1, 0, 2, 3, 3, 2]
+
+
 # --- CLI --------------------------------------------------------------------------------------------------
 
 runner = CliRunner()

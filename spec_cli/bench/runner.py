@@ -15,9 +15,10 @@ What is timed, exactly:
   accepted, per position) are counted from the sequences' own counters per step, pooled over prompts and
   repetitions (llama.cpp's definitions, speculative/stats.py), and `text_hash` is the sha256 of the token ids a
   repetition generated (every prompt's list in order; several comma-joined if repetitions differed), so that a
-  change of output is visible without storing it. The spec tests of one target model run round-robin, one
-  prompt of each in turn (`run_bench`), so the plain row that is `speedup`'s reference and the speculative
-  rows are measured side by side, seconds apart, not one after the other over minutes of a drifting machine.
+  change of output is visible without storing it. The spec tests of one target model and prompt set run
+  round-robin, one prompt of each in turn (`run_bench`), so the plain row that is `speedup`'s reference and the
+  speculative rows are measured side by side, seconds apart, not one after the other over minutes of a drifting
+  machine.
 
 Cold and warm: by default every speculative repetition is cold, exactly like a fresh process: `Session.renew`
 empties the KV caches and makes fresh drafters (empty n-gram pools, cleared draft context). Within a
@@ -200,8 +201,8 @@ class Models:
 # --- the main loop ------------------------------------------------------------------------------------------
 
 def run_bench(params: BenchParams, progress: Progress | None = None) -> list[Result]:
-    """Run every instance (the spec tests of one target interleaved by prompt); returns the rows in the
-    instances' order, speed-ups filled in."""
+    """Run every instance (the spec tests of one target and prompt set interleaved by prompt); returns the rows in
+    the instances' order, speed-ups filled in."""
     progress = progress or Progress()
     todo = instances(params)
     prompt_sets = {name: load_prompt_set(name) for name in params.prompt_sets}  # bad files fail before any load
@@ -210,7 +211,7 @@ def run_bench(params: BenchParams, progress: Progress | None = None) -> list[Res
     default_threads = torch.get_num_threads()
     models = Models(progress.log, params.tensor_parallel)
     rows: list[Result] = []
-    spec_runs: list[tuple[int, SpecRun]] = []  # the spec tests of the current target, run round-robin
+    spec_runs: list[tuple[int, SpecRun]] = []  # the spec tests of the current group (`_spec_group`), round-robin
 
     def threads(inst: Instance) -> int:
         torch.set_num_threads(inst.n_threads or default_threads)
@@ -246,7 +247,7 @@ def run_bench(params: BenchParams, progress: Progress | None = None) -> list[Res
     try:
         for i, inst in enumerate(todo):
             t = inst.test
-            if spec_runs and (t.kind != "spec" or inst.engine_key() != spec_runs[0][1].inst.engine_key()):
+            if spec_runs and (t.kind != "spec" or _spec_group(inst) != _spec_group(spec_runs[0][1].inst)):
                 run_spec_group()
             n_threads = threads(inst)
             model = models.target(inst)
@@ -268,6 +269,15 @@ def run_bench(params: BenchParams, progress: Progress | None = None) -> list[Res
         torch.set_num_threads(default_threads)
     attach_speedups(rows)
     return rows
+
+
+def _spec_group(inst: Instance) -> tuple:
+    """Spec tests run interleaved (`run_bench`) where they share this: one target and one plain row, the
+    reference of their speedup (its prompt set, temperature and length). A sweep over several sets interleaved
+    whole kept a configuration minutes away from its own set's plain row: 87 runs a round for 7 chains, 4
+    lengths and 3 sets."""
+    t = inst.test
+    return inst.engine_key(), t.prompt_set, t.temp, t.n_gen
 
 
 def n_runs(t: Test, params: BenchParams, prompt_sets: dict[str, PromptSet]) -> int:
