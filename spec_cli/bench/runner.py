@@ -223,20 +223,19 @@ def run_bench(params: BenchParams, progress: Progress | None = None) -> list[Res
         seconds apart, so a shared host's swings (10-25 % between 10-second samples of the same work here) land
         on every row alike. Interleaved by repetition, identical work (a drafter that never drafted) read
         0.88-1.11x of plain in one run."""
-        longest = max(len(run.prompts) for _, run in spec_runs)
+        n_prompts = len(spec_runs[0][1].prompts)  # one set per group
         for rep in range(params.repetitions):
             for _, run in spec_runs:
                 run.start_repetition()
-            for p in range(longest):
+            for p in range(n_prompts):
                 turn = p % len(spec_runs)
                 for i, run in spec_runs[turn:] + spec_runs[:turn]:
-                    if p < len(run.prompts):
-                        progress.test(i, _describe(run.inst) + (f" (rep {rep + 1}/{params.repetitions})"
-                                                                 if params.repetitions > 1 else ""))
-                        if p == 0:
-                            time.sleep(params.delay)  # --delay: 0 by default
-                        threads(run.inst)
-                        run.run_prompt(p)
+                    progress.test(i, _describe(run.inst) + (f" (rep {rep + 1}/{params.repetitions})"
+                                                             if params.repetitions > 1 else ""))
+                    if p == 0:
+                        time.sleep(params.delay)  # --delay: 0 by default
+                    threads(run.inst)
+                    run.run_prompt(p)
             for _, run in spec_runs:
                 run.end_repetition()
         for _, run in spec_runs:
