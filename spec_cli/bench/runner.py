@@ -218,26 +218,7 @@ def run_bench(params: BenchParams, progress: Progress | None = None) -> list[Res
         return torch.get_num_threads()
 
     def run_spec_group() -> None:
-        """`repetitions` times, every spec test of the group a prompt at a time in turn (the order turning by one
-        each prompt): the plain row and the speculative rows it is the speedup's reference for are measured
-        seconds apart, so a shared host's swings (10-25 % between 10-second samples of the same work here) land
-        on every row alike. Interleaved by repetition, identical work (a drafter that never drafted) read
-        0.88-1.11x of plain in one run."""
-        n_prompts = len(spec_runs[0][1].prompts)  # one set per group
-        for rep in range(params.repetitions):
-            for _, run in spec_runs:
-                run.start_repetition()
-            for p in range(n_prompts):
-                turn = p % len(spec_runs)
-                for i, run in spec_runs[turn:] + spec_runs[:turn]:
-                    progress.test(i, _describe(run.inst) + (f" (rep {rep + 1}/{params.repetitions})"
-                                                             if params.repetitions > 1 else ""))
-                    if p == 0:
-                        time.sleep(params.delay)  # --delay: 0 by default
-                    threads(run.inst)
-                    run.run_prompt(p)
-            for _, run in spec_runs:
-                run.end_repetition()
+        run_interleaved(spec_runs, params, progress, threads)
         for _, run in spec_runs:
             rows.append(run.result())
             progress.log(_summary(rows[-1]))
@@ -268,6 +249,30 @@ def run_bench(params: BenchParams, progress: Progress | None = None) -> list[Res
         torch.set_num_threads(default_threads)
     attach_speedups(rows)
     return rows
+
+
+def run_interleaved(spec_runs: list[tuple[int, SpecRun]], params: BenchParams, progress: Progress,
+                    threads: Callable[[Instance], int]) -> None:
+    """`repetitions` times, every spec test of a group (`_spec_group`) a prompt at a time in turn (the order turning
+    by one each prompt): the plain row and the speculative rows it is the speedup's reference for are measured
+    seconds apart, so a shared host's swings (10-25 % between 10-second samples of the same work here) land on
+    every row alike. Interleaved by repetition, identical work (a drafter that never drafted) read 0.88-1.11x of
+    plain in one run."""
+    n_prompts = len(spec_runs[0][1].prompts)  # one set per group
+    for rep in range(params.repetitions):
+        for _, run in spec_runs:
+            run.start_repetition()
+        for p in range(n_prompts):
+            turn = p % len(spec_runs)
+            for i, run in spec_runs[turn:] + spec_runs[:turn]:
+                progress.test(i, _describe(run.inst) + (f" (rep {rep + 1}/{params.repetitions})"
+                                                         if params.repetitions > 1 else ""))
+                if p == 0:
+                    time.sleep(params.delay)  # --delay: 0 by default
+                threads(run.inst)
+                run.run_prompt(p)
+        for _, run in spec_runs:
+            run.end_repetition()
 
 
 def _spec_group(inst: Instance) -> tuple:
