@@ -276,8 +276,9 @@ def run_interleaved(spec_runs: list[tuple[int, SpecRun]], params: BenchParams, p
 
 
 def _spec_group(inst: Instance) -> tuple:
-    """Spec tests run interleaved (`run_bench`) where they share this: one target and one plain row, the
-    reference of their speedup (its prompt set, temperature and length). A sweep over several sets interleaved
+    """Spec tests run interleaved (`run_bench`) where they share this: one loaded target and the prompt set,
+    temperature and length of their plain row, the reference of their speedup (a thread or batch sweep of one
+    target interleaves its plain rows together, as they share the set). A sweep over several sets interleaved
     whole kept a configuration minutes away from its own set's plain row: 87 runs a round for 7 chains, 4
     lengths and 3 sets."""
     t = inst.test
@@ -449,7 +450,7 @@ class _Tally:
 
 class SpecRun:
     """One speculative test: its session (set up and warmed up on creation), run a prompt at a time
-    (`run_bench` interleaves the spec tests of one target), its tallies pooled into one row."""
+    (`run_interleaved` turns through the spec tests of one group), its tallies pooled into one row."""
 
     def __init__(self, model: BenchModel, draft: BenchModel | None, bridge: VocabBridge | None, inst: Instance,
                  head: dict, params: BenchParams, prompt_set: PromptSet, progress: Progress):
