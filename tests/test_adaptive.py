@@ -583,6 +583,37 @@ def test_a_dropped_drafter_comes_back_only_through_a_probe():
     assert planner.drafting_caps(["x"], 1)["x"] > 1  # whose evidence brings it back
 
 
+
+def test_a_draft_model_dropped_at_a_dip_of_its_estimates_comes_back_at_the_next_request():
+    """A model drafter planned at 0 is not observed, so its recent estimates stay at the dip that dropped it: a
+    run of asks p-min stopped at once. At a request's first step (its draft cache holds the prompt) the estimates of
+    longer memory decide: it comes back on them where they say it pays, and not mid-request, and a drafter that
+    stopped paying for good stays dropped."""
+    costs = CostModel()  # a 1.5b's curve (ms); the 0.5b drafting for it costs 11.5 ms a forward
+    costs.set_points({1: 32.1, 2: 34.3, 3: 34.0, 4: 35.0, 6: 43.5, 8: 53.6, 12: 74.1, 16: 91.5})
+    planner = Planner(costs)
+    planner.begin_request()
+
+    def ask(n_drafted: int, accepted: bool = True) -> None:
+        planner.observe_drafting("x", 11.5 * forwards(n_drafted, 4), [(n_drafted, 4)])
+        if n_drafted:
+            planner.observe_accept("x", n_drafted, n_drafted if accepted else 0)
+
+    for i in range(60):  # half its asks give a draft of 3, accepted whole: worth asking
+        planner.drafting_caps(["x"], 1)
+        ask(3 * (i % 2))
+    assert planner.drafting_caps(["x"], 1)["x"] > 0
+    for _ in range(12):  # a dip: twelve asks stopped by p-min
+        ask(0)
+    assert [planner.drafting_caps(["x"], 1)["x"] for _ in range(5)] == [0] * 5  # dropped, its probe far away
+    planner.begin_request()
+    assert planner.drafting_caps(["x"], 1)["x"] > 0  # the next request asks it again
+    assert planner.reach["x"] == planner.long_run_reach["x"] and planner.reach["x"][0] > 0.35
+    for _ in range(300):  # the text changes for good: no draft any more
+        ask(0)
+    planner.begin_request()
+    assert planner.drafting_caps(["x"], 1)["x"] == 0
+
 # --- a recorded trace ------------------------------------------------------------------------------------------
 
 TRACES = Path(__file__).parent / "traces"

@@ -83,18 +83,26 @@ PROBE_BUDGET = 0.01
 # at 1.1-1.2 one-row forwards, draft-simple on free writing (96 % of its drafts accepted, half of its asks stopped by
 # p-min) was planned at 0.98-1.05x and ran at 0.97x of plain. A free drafter (n-gram) has nothing to lose by asking.
 ASK_MARGIN = 0.05
+# A dropped model drafter is not observed, so its ~10-ask estimates stay where they were when it fell to 0, which is
+# where they dipped: draft-simple (the 0.5b for the 1.5b) on chat was dropped at a reach of 0.30 against its run's
+# 0.44 (at 0.44 the plan gives 1.23x of plain, as draft-max 4 measures) and not asked for the rest of the run, new
+# requests included (0.91x of draft-max 4). The same observations also feed estimates with a memory of ~50 asks
+# (LONG_RUN_DECAY); at a request's first step, when its draft cache holds the prompt mirrored at `begin` (no
+# restart to pay), a dropped drafter those estimates say pays comes back on them.
+LONG_RUN_DECAY = 0.98
 
 
 class AcceptanceModel:
     """Per drafter name, the conditional acceptance a_i per draft position, an exponentially decayed average with a
-    weak prior:  a_i = (hits_i + w_i * prior_i) / (trials_i + w_i)  where hits and trials decay by ACCEPT_DECAY at
+    weak prior:  a_i = (hits_i + w_i * prior_i) / (trials_i + w_i)  where hits and trials decay by `decay` at
     each observation of position i, and so does the prior's weight w_i (PRIOR_WEIGHT at first for a_1,
     DEPTH_PRIOR_WEIGHT for the others): the prior only matters until a position has been seen a few times, and a
     drafter that is always right gets a_i -> 1.
     prior_1 = PRIOR_ACCEPT, prior_i = a_{i-1}: positions rarely verified borrow from the one before."""
 
-    def __init__(self, n_max: int = AUTO_DRAFT_MAX) -> None:
+    def __init__(self, n_max: int = AUTO_DRAFT_MAX, decay: float = ACCEPT_DECAY) -> None:
         self.n_max = n_max
+        self.decay = decay
         self.counts: dict[str, list[list[float]]] = {}  # name -> per position [hits, trials, prior weight]
         self._gains: dict[str, list[float]] = {}  # cache of gains(), dropped by observe()
 
@@ -104,9 +112,16 @@ class AcceptanceModel:
         counts = self.counts.setdefault(name, self._unseen())
         for i in range(min(n_accepted + 1, n_drafted, self.n_max)):
             c = counts[i]
-            c[0] = ACCEPT_DECAY * c[0] + (i < n_accepted)
-            c[1] = ACCEPT_DECAY * c[1] + 1.0
-            c[2] *= ACCEPT_DECAY
+            c[0] = self.decay * c[0] + (i < n_accepted)
+            c[1] = self.decay * c[1] + 1.0
+            c[2] *= self.decay
+        self._gains.pop(name, None)
+
+    def adopt(self, name: str, other: AcceptanceModel) -> None:
+        """Take `other`'s estimates for `name` (its rates, the same), weighed as this model's memory weighs them:
+        hits, trials and prior weights scaled by the ratio of the memories (1 / (1 - decay) observations)."""
+        scale = (1 - self.decay) / (1 - other.decay)
+        self.counts[name] = [[x * scale for x in c] for c in other.counts.get(name) or other._unseen()]
         self._gains.pop(name, None)
 
     def rates(self, name: str) -> list[float]:
@@ -180,11 +195,14 @@ class Planner:
         self.costs = costs
         self.n_max = n_max
         self.acceptance = AcceptanceModel(n_max)
+        self.long_run = AcceptanceModel(n_max, LONG_RUN_DECAY)  # the same, with a longer memory (LONG_RUN_DECAY)
         self.draft_costs: dict[str, DraftCost] = {}
         # per drafter, r_j: the decayed fraction of asks whose draft reached position j, where the cap allowed it
         # (a draft model stops below --draft-p-min: at once on a third to a half of its asks on chat)
         self.reach: dict[str, list[float]] = {}
+        self.long_run_reach: dict[str, list[float]] = {}  # the same, with a longer memory
         self.step = 0
+        self.request_step = -1  # the first step of the newest request
         self.next_probe: dict[str, int] = {}
         self.probe_gap: dict[str, int] = {}
         self.probing: set[str] = set()  # drafters granted a probe this step
@@ -223,6 +241,8 @@ class Planner:
             k = self._uniform_length(name, n_seq)
             if k > 0 and name in self.dropped and name not in probed:
                 k = 0  # fallen to 0: only a probe's evidence brings it back, not a drift of the cost estimates
+            elif k == 0 and self.step == self.request_step:
+                k = self._long_run_length(name, n_seq)  # its cache holds the prompt: no restart to pay
             if k > 0:  # worth asking: should it fall back to 0, its probes start over at the shortest gap
                 self.dropped.discard(name)
                 self._schedule_probe(name, self._probe_gap_min(name))
@@ -238,6 +258,16 @@ class Planner:
             caps[name] = k
         self.probes_granted = set(self.probing)
         return caps
+
+    def _long_run_length(self, name: str, n_seq: int) -> int:
+        """The length the long-run estimates plan for a model drafter the recent ones plan at 0; where it is not 0,
+        the recent estimates start over from the long-run ones (LONG_RUN_DECAY)."""
+        k = self._uniform_length(name, n_seq, long_run=True)
+        if k > 0:
+            self.acceptance.adopt(name, self.long_run)
+            if name in self.long_run_reach:
+                self.reach[name] = list(self.long_run_reach[name])
+        return k
 
     def _free_cap(self, name: str, n_seq: int) -> int:
         """A free drafter's cap: n_max where its drafts pay for their verify rows (a draft costs the same at any
@@ -296,7 +326,7 @@ class Planner:
         gains, plain = self.acceptance.gains(name), self.costs(n_seq)
         return any(expected_tokens(gains, k) * plain > self.costs(n_seq * (1 + k)) for k in range(1, self.n_max + 1))
 
-    def _uniform_length(self, name: str, n_seq: int) -> int:
+    def _uniform_length(self, name: str, n_seq: int, long_run: bool = False) -> int:
         """argmax_k of the tokens per second if every sequence asked drafter `name`, whose asking costs time, for k
         tokens, where its draft reaches position j with probability r_j (`reach`: a draft model stops below
         --draft-p-min, and then gives none, but its seed row was paid for):
@@ -310,8 +340,12 @@ class Planner:
         it was never asked. A free drafter (an n-gram lookup) is judged by `_draft_pays` instead: its lookups take
         0.02-0.2 ms against a 0.5b forward's 14.5, but priced per token, their EMA (one call preempted for 7-30 ms
         on a busy machine included) counted k times on every ask against a gain that comes with 1 ask in r_1:
-        ngram-mod, drafting on 7 % of code-edit steps, was capped at a few tokens or dropped."""
-        gains, reach = self.acceptance.gains(name), self._reach(name)
+        ngram-mod, drafting on 7 % of code-edit steps, was capped at a few tokens or dropped.
+        `long_run`: planned on the estimates with the longer memory (`_long_run_length`)."""
+        if long_run:
+            gains, reach = self.long_run.gains(name), self._reach(self.long_run_reach.get(name))
+        else:
+            gains, reach = self.acceptance.gains(name), self._reach(self.reach.get(name))
         plain, f = self.costs(n_seq), self._draft_cost(name)
         best_k, best = 0, (1.0 + ASK_MARGIN) / (plain / n_seq)
         expected, verify, n_forwards = 1.0, plain, 1.0
@@ -325,10 +359,10 @@ class Planner:
                 best_k, best = k, rate
         return best_k
 
-    def _reach(self, name: str) -> list[float]:
+    def _reach(self, observed_reach: list[float] | None) -> list[float]:
         """r_1..r_n_max, never growing with j; a position no cap has allowed yet takes the one before's."""
         out, r = [], 1.0
-        for observed in self.reach.get(name) or [1.0] * self.n_max:
+        for observed in observed_reach or [1.0] * self.n_max:
             r = min(r, observed)
             out.append(r)
         return out
@@ -377,11 +411,12 @@ class Planner:
         reach."""
         n_forwards = 1 if name in self.per_call else sum(forwards(n, most) for n, most in drafts)
         self.draft_costs.setdefault(name, DraftCost()).observe(seconds, n_forwards)
-        reach = self.reach.setdefault(name, [1.0] * self.n_max)
-        for j in range(self.n_max):
-            allowed = [n > j for n, most in drafts if most > j]
-            if allowed:
-                reach[j] += (1 - ACCEPT_DECAY) * (sum(allowed) / len(allowed) - reach[j])
+        for reach, decay in ((self.reach, ACCEPT_DECAY), (self.long_run_reach, LONG_RUN_DECAY)):
+            r = reach.setdefault(name, [1.0] * self.n_max)
+            for j in range(self.n_max):
+                allowed = [n > j for n, most in drafts if most > j]
+                if allowed:
+                    r[j] += (1 - decay) * (sum(allowed) / len(allowed) - r[j])
 
     def observe_catch_up(self, name: str, seconds: float) -> None:
         """Drafter `name` spent `seconds` bringing its cache up to date before drafting (its `catch_up`): a probe's
@@ -401,8 +436,13 @@ class Planner:
         free."""
         self.mirroring_price[name] = max(self.mirroring_price.get(name, 0.0), seconds)
 
+    def begin_request(self) -> None:
+        """A request begins: the next step is its first."""
+        self.request_step = self.step + 1
+
     def observe_accept(self, name: str, n_drafted: int, n_accepted: int) -> None:
         self.acceptance.observe(name, n_drafted, n_accepted)
+        self.long_run.observe(name, n_drafted, n_accepted)
         if n_drafted:
             self.n_verified[name] = self.n_verified.get(name, 0) + 1
 
@@ -411,6 +451,7 @@ class Planner:
         equal them, out of n_scored compared (the draft or the committed tokens, whichever is shorter). Its next
         shadow comes when its asking has cost no more than PROBE_BUDGET of the steps between."""
         self.acceptance.observe(name, n_scored, n_matched)
+        self.long_run.observe(name, n_scored, n_matched)
         cost = self.draft_costs.get(name)
         asking = cost.seconds if cost else 0.0
         gap = math.ceil(asking / (PROBE_BUDGET * self.costs(1))) if self.costs.calibrated else PROBE_GAP_MIN

@@ -49,6 +49,8 @@ class Chain:
 
     def begin(self, seq: int, prompt: list[int]) -> None:
         self.last[seq] = None
+        if self.planner is not None:
+            self.planner.begin_request()
         for d in self.drafters:
             t0 = time.perf_counter()
             d.begin(seq, prompt)
