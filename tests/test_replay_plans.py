@@ -7,6 +7,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -50,10 +51,31 @@ def test_the_oracle_takes_the_real_targets_steps(tiny_model_path):
 def test_replay_plans_prints_a_table_per_prompt_set(tiny_model_path, tiny_close_draft_path):
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "-m", str(tiny_model_path), "-md", str(tiny_close_draft_path), "--spec-type",
-         "ngram-simple;draft-simple", "--draft-max", "4,auto", "--prompt-set", "code-edit", "-n", "8", "-t", "1"],
+         "ngram-simple;draft-simple", "--draft-max", "4,auto", "--prompt-set", "code-edit", "-n", "8", "-t", "1",
+         "--draft-clock", "curve"],
         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert proc.returncode == 0, proc.stderr
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     assert rows[0] == "| chain | draft-max 4 | draft-max auto |"
     assert [row.split(" | ")[0] for row in rows[1:]] == ["| ngram-simple", "| draft-simple"]
+
+
+def test_a_charged_draft_forward_takes_its_curves_time(monkeypatch):
+    """--draft-clock curve: across a draft forward the clock that the step loop and the planner read moves by the
+    draft cost curve's seconds for its rows, not by the forward's real time."""
+    rp = load_script()
+    monkeypatch.setattr(time, "perf_counter", time.perf_counter)  # put back after the test
+
+    class SlowContext:
+        def decode(self, batch, **kwargs):
+            time.sleep(0.05)
+            return len(batch)
+
+    costs = rp.FrozenCosts()
+    costs.set_points({1: 0.001, 4: 0.004})
+    ctx = SlowContext()
+    rp.ChargedDrafts(ctx, costs)
+    t0 = time.perf_counter()
+    assert ctx.decode([0, 0, 0], head=None) == 3
+    assert costs(3) <= time.perf_counter() - t0 < costs(3) + 0.01
