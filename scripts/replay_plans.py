@@ -26,8 +26,10 @@ import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch 
 # isort: split
 
 import argparse
+import json
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -157,6 +159,32 @@ def replay(session: Session, oracle: OracleContext, prompts: list[list[int]],
     return result
 
 
+def timed_curves(engine, plain: Session, prompt: list[int], draft_clock: str,
+                 path: Path | None) -> tuple[dict[int, float], dict[int, float] | None]:
+    """Seconds by rows of the target's forwards (the curve `auto` plans with) and, with --draft-clock curve, of the
+    draft model's: read from `path` where it exists, so that replays in other processes run on the same curves
+    (timed at another moment, they follow the machine's phase), else timed now and kept in `path`."""
+    if path is not None and path.exists():
+        saved = json.loads(path.read_text())
+        target, draft = ({int(rows): s for rows, s in curve.items()} if curve else None
+                         for curve in (saved["target"], saved.get("draft")))
+        if draft is None and draft_clock == "curve" and engine.draft_ctx is not None:
+            raise SystemExit(f"{path} has no draft model curve: time one with --draft-clock curve")
+        return target, draft
+    if not engine.costs.calibrated:  # at the first prompt's depth, as a command's first step does
+        plain.reset()
+        plain.generator().start(0, prompt, GREEDY, 1)
+        engine.costs.calibrate(engine.ctx, 0)
+    target, draft = dict(zip(engine.costs.rows, engine.costs.seconds)), None
+    if draft_clock == "curve" and engine.draft_ctx is not None:
+        timed = CostModel()
+        timed.calibrate(engine.draft_ctx, 0)
+        draft = dict(zip(timed.rows, timed.seconds))
+    if path is not None:
+        path.write_text(json.dumps({"target": target, "draft": draft}))
+    return target, draft
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", default="qwen2.5-coder-0.5b")
@@ -168,28 +196,28 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--draft-clock", choices=("real", "curve"), default="real",
                     help="a draft model's forwards at their real time, or at its cost curve's (timed at the start)")
+    ap.add_argument("--curves", type=Path, help="JSON of the timed curves: read where it exists, else written")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engine = build_engine(EngineOptions(model=args.model, model_draft=args.model_draft, n_ctx=4096,
                                         threads=args.threads))
     plain = Session(engine, SpecParams())
-    if args.draft_clock == "curve" and engine.draft_ctx is not None:
+    set_names = args.prompt_set.split(",")
+    first = render_tokens(load_prompt_set(set_names[0]).prompts[0], engine.tokenizer)
+    target_curve, draft_curve = timed_curves(engine, plain, first, args.draft_clock, args.curves)
+    costs = FrozenCosts()
+    costs.set_points(target_curve)
+    if args.draft_clock == "curve" and draft_curve is not None:
         draft_costs = FrozenCosts()
-        draft_costs.calibrate(engine.draft_ctx, 0)
+        draft_costs.set_points(draft_curve)
         ChargedDrafts(engine.draft_ctx, draft_costs)
     chains = [spec_types(chain) for chain in args.spec_type.split(";")]
     lengths = [draft_max(v) for v in args.draft_max.split(",")]
     print(f"{args.model}, -n {args.n_predict}, {args.threads} threads, draft clock {args.draft_clock}: modeled "
           "speed-up over plain decoding (steps; draft tokens accepted / drafted)")
-    for set_name in args.prompt_set.split(","):
+    for set_name in set_names:
         prompts = [render_tokens(p, engine.tokenizer) for p in load_prompt_set(set_name).prompts]
         outputs = greedy_outputs(plain, prompts, args.n_predict)
-        if not engine.costs.calibrated:  # at the first prompt's depth, as a command's first step does
-            plain.reset()
-            plain.generator().start(0, prompts[0], GREEDY, 1)
-            engine.costs.calibrate(engine.ctx, 0)
-        costs = FrozenCosts()
-        costs.set_points(dict(zip(engine.costs.rows, engine.costs.seconds)))
         oracle = OracleContext(engine.ctx, costs)
         virtual = replace(engine, ctx=oracle, costs=costs)
         base = replay(Session(virtual, SpecParams()), oracle, prompts, outputs, args.n_predict)

@@ -4,6 +4,7 @@ end on the tiny models."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -48,17 +49,25 @@ def test_the_oracle_takes_the_real_targets_steps(tiny_model_path):
     assert all(r.seconds >= costs(1) * r.steps for r in replayed)
 
 
-def test_replay_plans_prints_a_table_per_prompt_set(tiny_model_path, tiny_close_draft_path):
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "-m", str(tiny_model_path), "-md", str(tiny_close_draft_path), "--spec-type",
-         "ngram-simple;draft-simple", "--draft-max", "4,auto", "--prompt-set", "code-edit", "-n", "8", "-t", "1",
-         "--draft-clock", "curve"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert proc.returncode == 0, proc.stderr
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
-    assert rows[0] == "| chain | draft-max 4 | draft-max auto |"
-    assert [row.split(" | ")[0] for row in rows[1:]] == ["| ngram-simple", "| draft-simple"]
+def test_replay_plans_prints_a_table_per_prompt_set(tiny_model_path, tiny_close_draft_path, tmp_path):
+    """And with --curves, the first run keeps the curves it timed, the second replays on them."""
+    curves = tmp_path / "curves.json"
+    written = None
+    for _ in range(2):
+        proc = subprocess.run(
+            [sys.executable, str(SCRIPT), "-m", str(tiny_model_path), "-md", str(tiny_close_draft_path),
+             "--spec-type", "ngram-simple;draft-simple", "--draft-max", "4,auto", "--prompt-set", "code-edit", "-n",
+             "8", "-t", "1", "--draft-clock", "curve", "--curves", str(curves)],
+            capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        assert proc.returncode == 0, proc.stderr
+        rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+        assert rows[0] == "| chain | draft-max 4 | draft-max auto |"
+        assert [row.split(" | ")[0] for row in rows[1:]] == ["| ngram-simple", "| draft-simple"]
+        saved = json.loads(curves.read_text())
+        assert saved["target"]["1"] > 0 and saved["draft"]["1"] > 0
+        assert written in (None, curves.stat().st_mtime_ns)  # read, not timed again
+        written = curves.stat().st_mtime_ns
 
 
 def test_a_charged_draft_forward_takes_its_curves_time(monkeypatch):
