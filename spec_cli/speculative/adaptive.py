@@ -86,10 +86,13 @@ ASK_MARGIN = 0.05
 # A dropped model drafter is not observed, so its ~10-ask estimates stay where they were when it fell to 0, which is
 # where they dipped: draft-simple (the 0.5b for the 1.5b) on chat was dropped at a reach of 0.30 against its run's
 # 0.44 (at 0.44 the plan gives 1.23x of plain, as draft-max 4 measures) and not asked for the rest of the run, new
-# requests included (0.91x of draft-max 4). The same observations also feed estimates with a memory of ~50 asks
-# (LONG_RUN_DECAY); at a request's first step, when its draft cache holds the prompt mirrored at `begin` (no
-# restart to pay), a dropped drafter those estimates say pays comes back on them.
-LONG_RUN_DECAY = 0.98
+# requests included (0.91x of draft-max 4). The same observations also feed estimates with a memory of ~20 asks
+# (LONG_RUN_DECAY): a model drafter is dropped only when both plan it at 0, and at a request's first step, when its
+# draft cache holds the prompt mirrored at `begin` (no restart to pay), a dropped drafter either says pays comes
+# back. Replayed on saved curves (`scripts/replay_plans.py --draft-clock curve --curves`), against returns alone with
+# a memory of ~50 asks: the 0.5b with smollm2 on code edits 0.86 -> 0.99x of draft-max 4, the 1.5b's chat 0.94 ->
+# 0.97x of draft-max 8, writing 0.96 -> 0.97-0.98x of plain; the 0.5b's chat 0.96 -> 0.91x.
+LONG_RUN_DECAY = 0.95
 
 
 class AcceptanceModel:
@@ -239,10 +242,12 @@ class Planner:
                 self.next_probe[name] = self.step + FIRST_PROBE_AFTER
                 self.unasked.add(name)
             k = self._uniform_length(name, n_seq)
-            if k > 0 and name in self.dropped and name not in probed:
+            if self.step == self.request_step:  # its cache holds the prompt `begin` mirrored: no restart to pay
+                k = k or self._long_run_length(name, n_seq)
+            elif k > 0 and name in self.dropped and name not in probed:
                 k = 0  # fallen to 0: only a probe's evidence brings it back, not a drift of the cost estimates
-            elif k == 0 and self.step == self.request_step:
-                k = self._long_run_length(name, n_seq)  # its cache holds the prompt: no restart to pay
+            elif k == 0 and name not in self.dropped:  # a dip of the recent estimates alone does not drop it
+                k = self._uniform_length(name, n_seq, long_run=True)
             if k > 0:  # worth asking: should it fall back to 0, its probes start over at the shortest gap
                 self.dropped.discard(name)
                 self._schedule_probe(name, self._probe_gap_min(name))
