@@ -67,10 +67,10 @@ def steep() -> CostModel:
     return costs
 
 
-def planner_with(costs: CostModel, rates: dict[str, float]) -> Planner:
+def planner_with(costs: CostModel, rates: dict[str, float], ragged: bool = False) -> Planner:
     """A planner whose drafters have the given constant conditional acceptance at every position, known from drafts
     the target has judged."""
-    planner = Planner(costs)
+    planner = Planner(costs, ragged=ragged)
     planner.acceptance.gains = lambda name: [rates[name] ** j for j in range(1, AUTO_DRAFT_MAX + 1)]
     planner.long_run.gains = planner.acceptance.gains
     planner.n_verified = dict.fromkeys(rates, JUDGED_DRAFTS)
@@ -424,6 +424,16 @@ def test_several_sequences_share_the_padded_verify_batch():
     planner = planner_with(costs, {"x": 0.9})
     assert planner.plan([("x", 16), ("x", 16)], 0.0) == [3, 3]
     assert planner.drafting_caps(["x"], 2) == {"x": 3}
+
+
+def test_a_ragged_verify_batch_gives_one_sequence_its_long_draft_beside_draftless_ones():
+    """Server slots on the CPU kernels: a verify step costs its own rows, so one slot's copied block is verified
+    whole beside three slots with no draft; padded to [4, 17] (68 rows) it does not pay at any length."""
+    costs = CostModel()  # every row adds a fifth of a forward
+    costs.set_points({1: 1.2, 64: 13.8})
+    drafts = [("x", 16), (None, 0), (None, 0), (None, 0)]
+    assert planner_with(costs, {"x": 0.99}, ragged=True).plan(drafts, 0.0) == [16, 0, 0, 0]
+    assert planner_with(costs, {"x": 0.99}).plan(drafts, 0.0) == [0, 0, 0, 0]
 
 
 def test_a_useless_drafter_is_probed_with_growing_gaps_and_recovers():

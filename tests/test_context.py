@@ -73,6 +73,32 @@ def test_sequences_in_one_batch_are_isolated(tiny):
     assert ctx.n_ctx_seq == 128 // 3 and ctx.pos_max(1) == -1
 
 
+def test_sequences_on_the_kernels_decode_their_rows_unpadded(tiny, monkeypatch):
+    """A verify step of 1 + 7 rows beside three one-row sequences computes those 11 rows, not [4, 8] = 32, and each
+    sequence's logits are the ones it gets padded: the kernels take every row's sequence and position."""
+    from spec_cli.model import kernels
+
+    rows_run = []
+    blocks = kernels.blocks
+    monkeypatch.setattr(kernels, "blocks", lambda stack, x, *a, **k: rows_run.append(x.shape[0]) or
+                        blocks(stack, x, *a, **k))
+    prompts = [TOKENS[:5], TOKENS[5:8], TOKENS[8:14], TOKENS[14:16]]
+    step = Batch()
+    for seq, p in enumerate(prompts):
+        for t in ([TOKENS[16]] if seq else TOKENS[12:20]):
+            step.add(t, len(p) + sum(1 for s in step.seq_ids if s == seq), seq, True)
+    outs = {}
+    for ragged in (True, False):
+        monkeypatch.setattr(Context, "ragged", property(lambda self, r=ragged: r))
+        ctx = Context(tiny, n_ctx=4 * 32, n_seq=4)
+        for seq, p in enumerate(prompts):
+            ctx.decode(rows(p, seq=seq))
+        rows_run.clear()
+        outs[ragged] = ctx.decode(step).logits
+        assert rows_run == [len(step) if ragged else 4 * 8] and ctx.step_rows(step) == rows_run[0]
+    assert torch.equal(outs[True], outs[False])  # bit for bit: each row's arithmetic is its own
+
+
 def test_seq_cp_shares_a_prefix(tiny):
     ctx = Context(tiny, n_ctx=128, n_seq=2)
     ctx.decode(rows(TOKENS[:10]))

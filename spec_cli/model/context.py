@@ -19,7 +19,7 @@ from spec_cli.model.batch import Batch
 from spec_cli.model.config import ModelConfig
 from spec_cli.model.loader import LoadedModel
 from spec_cli.model.state_arrays import State, array_of, copy_into, fits, scalar
-from spec_cli.model.transformer import ForwardPlan
+from spec_cli.model.transformer import ForwardPlan, Transformer
 from spec_cli.options import default
 
 
@@ -94,6 +94,21 @@ class Context:
     @property
     def device(self) -> torch.device:
         return self.model.output_device
+
+    @property
+    def ragged(self) -> bool:
+        """Whether a decode of several sequences runs their rows as they come, in one group (the CPU kernels take
+        each row's sequence and position), rather than padded to [G, T]: its cost is then its rows (`step_rows`)."""
+        return self.step is None and isinstance(self.model, Transformer) and self.model.runs_ragged(self.kv)
+
+    def step_rows(self, batch: Batch) -> int:
+        """The rows a decode of `batch` computes: its own where ragged, else G x the longest sequence's."""
+        if self.ragged:
+            return len(batch)
+        counts: dict[int, int] = {}
+        for seq in batch.seq_ids:
+            counts[seq] = counts.get(seq, 0) + 1
+        return len(counts) * max(counts.values())
 
     # --- memory (llama_memory_seq_*) --------------------------------------------------------------------
 
@@ -237,11 +252,14 @@ class Context:
         if step is not None and not step.pads and max(self.lengths[s] + len(groups[s]) for s in seqs) < 2:
             step = None  # a sequence's first row alone: one key, a size torch would compile a graph of its own for
         pad = step is not None and step.pads
+        ragged = step is None and G > 1 and self.ragged
         if pad:  # CUDA graphs: pad to the row buckets; padded groups read (never write) a real sequence
             from spec_cli.model.compiled import bucket
 
             G, T = bucket(G), bucket(T)
-        tokens, positions, flat_of_row, writes = _grid(batch, groups, G, T)
+        if ragged:  # the rows as they come, one group: a verify step costs its rows, not G x the longest draft
+            G, T = 1, len(rows)
+        tokens, positions, flat_of_row, writes = _grid(batch, {None: list(rows)} if ragged else groups, G, T)
         write_rows, write_seq, write_pos = writes
         for seq in seqs:
             self.lengths[seq] += len(groups[seq])
@@ -264,7 +282,10 @@ class Context:
         packed = packed.to(self.model.layer_devices[0], non_blocking=True).split([len(p) for p in parts])
         tokens_t, pos_t, rows_t, seq_t, wpos_t, seqs_t, order_t = packed
         kv_seqs = slice(seqs[0], seqs[0] + len(seqs)) if contiguous else seqs_t
-        plan = self.forward_plan(pos_t.view(G, T), rows_t, seq_t, wpos_t, kv_seqs, n_kv)
+        if ragged:
+            plan = ForwardPlan(pos_t.view(G, T), rows_t, seq_t, wpos_t, kv_seqs, n_kv, None, None, ragged=True)
+        else:
+            plan = self.forward_plan(pos_t.view(G, T), rows_t, seq_t, wpos_t, kv_seqs, n_kv)
         with torch.inference_mode():
             if step is None and not self.taps:  # every model's, the draft heads' runners included (never compiled)
                 hidden, feats = self.model.forward_hidden(tokens_t.view(G, T), plan, self.kv), None  # [G, T, D]
@@ -294,18 +315,19 @@ class Context:
         )
 
 
-def _grid(batch: Batch, groups: dict[int, list[int]], G: int, T: int):
-    """The rows of `groups` (sequence -> its batch rows) laid out as [G, T], flat: -> (tokens, positions, the flat
+def _grid(batch: Batch, groups: dict[int | None, list[int]], G: int, T: int):
+    """The rows of `groups` (the batch rows of each group: a sequence's, or every row of a ragged step) laid out as
+    [G, T], flat: -> (tokens, positions, the flat
     index of each batch row, (flat rows, sequences, positions) of the KV writes). Padded cells hold token 0 at
     position 0."""
     tokens, positions = [0] * (G * T), [0] * (G * T)
     flat_of_row: dict[int, int] = {}
     write_rows, write_seq, write_pos = [], [], []
-    for g, (seq, rows) in enumerate(groups.items()):
+    for g, rows in enumerate(groups.values()):
         for t, i in enumerate(rows):
             flat = flat_of_row[i] = g * T + t
             tokens[flat], positions[flat] = batch.tokens[i], batch.pos[i]
             write_rows.append(flat)
-            write_seq.append(seq)
+            write_seq.append(batch.seq_ids[i])
             write_pos.append(batch.pos[i])
     return tokens, positions, flat_of_row, (write_rows, write_seq, write_pos)

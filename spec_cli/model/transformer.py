@@ -2,7 +2,9 @@
 
 The network only: it reads and writes a KV cache it is handed (owned by `context.Context`) and never decides
 which rows are decoded. Follows llama.cpp's graphs in src/models/{llama,qwen2,qwen3,gemma3}.cpp.
-Rows arrive grouped per sequence and padded: x is [G, T, D] for G sequences of at most T new rows each.
+Rows arrive grouped per sequence and padded: x is [G, T, D] for G sequences of at most T new rows each; where every
+block runs on the CPU kernels, which take each row's own sequence and position, in one group of rows as they come
+(G = 1, `ForwardPlan.ragged`): no sequence is padded to the longest.
 """
 
 from __future__ import annotations
@@ -29,8 +31,11 @@ class ForwardPlan:
     write_pos: torch.Tensor  # [n_valid] int64: cache position of each real row
     kv_seqs: slice | torch.Tensor  # selects the G cache sequences (a slice when contiguous: no copy)
     n_kv: int  # keys [0, n_kv) are read
-    mask_full: torch.Tensor  # [G, 1, T, n_kv] bool, True = may attend
+    mask_full: torch.Tensor | None  # [G, 1, T, n_kv] bool, True = may attend (None when ragged)
     mask_swa: torch.Tensor | None  # same for sliding-window layers
+    # one group (G = 1) of rows of any sequences, every row written: row i's sequence is write_seq[i]. Only the
+    # kernels' blocks read such a plan (Transformer.runs_ragged); torch's attention needs the padded [G, T] one.
+    ragged: bool = False
 
     def to(self, device: torch.device) -> "ForwardPlan":
         move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
@@ -39,6 +44,8 @@ class ForwardPlan:
     @functools.cached_property
     def row_seq(self) -> torch.Tensor:
         """[G * T] int64: the cache sequence of every (padded) row, for the attention kernel."""
+        if self.ragged:
+            return self.write_seq
         T = self.positions.shape[1]
         seqs = self.kv_seqs
         if isinstance(seqs, slice):
@@ -384,6 +391,11 @@ class Transformer(nn.Module):
             for slot, layer in enumerate(taps):
                 slots[layer] = slot
         return slots
+
+    def runs_ragged(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Whether a step may come as a ragged plan (ForwardPlan.ragged): where its blocks run on the kernels in one
+        call (kernel_stack), whose every row carries its own sequence and position."""
+        return self.dtype == torch.float32 and kv[0][0].dtype == torch.float32 and self.block_stack() is not None
 
     def kernel_stack(self, x: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> "kernels.BlockStack | None":
         """Every block on the kernels in one call, or None where one block is not (float weights, CUDA, -ngl

@@ -166,11 +166,9 @@ class Generator:
         t1 = clock()
         batch = Batch()
         rows: dict[int, int] = {}
-        longest = 1
         for s in seqs:
             rows[s.seq] = len(batch)
             draft = params[s.seq].result if s.seq in params else []
-            longest = max(longest, 1 + len(draft))
             for i, tok in enumerate([s.id_last] + draft):
                 batch.add(tok, s.n_past + i, s.seq, True)
         out = self.target.decode(batch)
@@ -196,8 +194,8 @@ class Generator:
             s.tokens.extend(ids[:-1])
             emitted.append(self._emit(s, ids, n_acc))
         t3 = clock()
-        if self.planner is not None:  # context.py pads every sequence to `longest`
-            self.planner.observe_step(len(seqs) * longest, run_seconds(t1, t3))
+        if self.planner is not None:
+            self.planner.observe_step(self.target.step_rows(batch), run_seconds(t1, t3))
         tm = self.timings
         tm.t_draft_ms += _ms(t0, t1)
         tm.t_verify_ms += _ms(t1, t2)

@@ -111,4 +111,5 @@ def build_chain(engine: Engine, spec: SpecParams, make_drafters: DrafterMaker | 
     drafters = make_drafters(inputs) if make_drafters is not None else build_drafters(spec.types, inputs)
     if not drafters:
         return None
-    return Chain(drafters, n_seq, Planner(engine.costs, spec.draft_max) if spec.adaptive else None, spec.select)
+    planner = Planner(engine.costs, spec.draft_max, engine.ctx.ragged) if spec.adaptive else None
+    return Chain(drafters, n_seq, planner, spec.select)

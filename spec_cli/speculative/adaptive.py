@@ -11,10 +11,11 @@ Token j is committed iff tokens 1..j are all accepted, so a draft of k tokens co
 target's own token,
     E(k) = 1 + sum_{j=1..k} g_j,   g_j = prod_{i<=j} a_i   (the marginal gain of the j-th token).
 g_j never grows with j (a_i <= 1), so E is concave. One step over G sequences with drafts of k_s tokens takes
-    time = cost(G * (1 + max_s k_s)) + sum_s c_s * k_s
-where cost(rows) is the verify side of a step (the verify batch is padded to the longest draft: context.py lays it
-out as [G, T]) and c_s the seconds per token of the drafter that drafted sequence s (a model's forward per token for
-draft-simple and draft-mtp, ~0 for the n-gram drafters). The planner maximizes  sum_s E_s(k_s) / time  twice per
+    time = cost(G + sum_s k_s) + sum_s c_s * k_s
+where cost(rows) is the verify side of a step (on the CPU kernels the rows go as they come; elsewhere the verify
+batch is padded to the longest draft, context.py laying it out as [G, T]: cost(G * (1 + max_s k_s))) and c_s the
+seconds per token of the drafter that drafted sequence s (a model's forward per token for draft-simple and
+draft-mtp, ~0 for the n-gram drafters). The planner maximizes  sum_s E_s(k_s) / time  twice per
 step: before drafting, to cap what each drafter may draft (drafting time still to be spent counts, and how far its
 drafts reach: a draft model stops below --draft-p-min, `_uniform_length`); after drafting,
 to choose how much of each draft to verify, where the drafting time is already spent: a fixed term of the
@@ -194,9 +195,10 @@ class Planner:
     of each sequence's draft to verify (`plan`, after drafting); learns from `observe_*`. One per drafter chain
     (its acceptance and draft costs are the chain's drafters'); the cost model is the engine's, shared."""
 
-    def __init__(self, costs: CostModel, n_max: int = AUTO_DRAFT_MAX) -> None:
+    def __init__(self, costs: CostModel, n_max: int = AUTO_DRAFT_MAX, ragged: bool = False) -> None:
         self.costs = costs
         self.n_max = n_max
+        self.ragged = ragged  # the target's verify step costs its rows, not G x (1 + the longest draft) (Context)
         self.acceptance = AcceptanceModel(n_max)
         self.long_run = AcceptanceModel(n_max, LONG_RUN_DECAY)  # the same, with a longer memory (LONG_RUN_DECAY)
         self.draft_costs: dict[str, DraftCost] = {}
@@ -301,21 +303,22 @@ class Planner:
         gains = [self.acceptance.gains(name)[:n] if name else [] for name, n in drafts]
         n_seq = len(drafts)
         lengths = [0] * n_seq
-        expected, longest = float(n_seq), 0
+        expected, longest, total = float(n_seq), 0, 0
         best, best_lengths = expected / (self.costs(n_seq) + drafting_s), list(lengths)
         while True:
             pick, pick_rate = -1, -1.0
             for s, g in enumerate(gains):
                 k = lengths[s]
                 if k < len(g):
-                    rate = (expected + g[k]) / (self.costs(n_seq * (1 + max(longest, k + 1))) + drafting_s)
+                    rows = n_seq + total + 1 if self.ragged else n_seq * (1 + max(longest, k + 1))
+                    rate = (expected + g[k]) / (self.costs(rows) + drafting_s)
                     if rate > pick_rate:
                         pick, pick_rate = s, rate
             if pick < 0:
                 break
             expected += gains[pick][lengths[pick]]
             lengths[pick] += 1
-            longest = max(longest, lengths[pick])
+            longest, total = max(longest, lengths[pick]), total + 1
             if pick_rate > best:
                 best, best_lengths = pick_rate, list(lengths)
         return self._with_probes(drafts, best_lengths)

@@ -20,7 +20,7 @@ from spec_cli.model.batch import Batch
 from spec_cli.model.context import Context
 
 CALIBRATION_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # sparse: interpolation fills the gaps
-MULTI_SEQ_ROWS = (24, 32)  # several sequences pad the verify batch to G * (1 + longest draft)
+MULTI_SEQ_ROWS = (24, 32)  # several sequences' verify steps reach past 16 rows (G + their drafts, or padded)
 # Timed again in every process that reads a cached calibration (~0.4 s on qwen2.5-coder-1.5b, 2 threads): the VM's
 # phase changes the curve's shape, and the short verifies are where a draft model's worth is decided.
 REFRESH_ROWS = (1, 2, 3, 4)
