@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from spec_cli.errors import SpecCliError
 from spec_cli.model.sampling import SamplingParams
+from spec_cli.options import default
 from spec_cli.runtime.engine import EngineOptions
 from spec_cli.runtime.generate import SpecOverrides, generate
 from spec_cli.runtime.session import open_session
@@ -29,11 +31,12 @@ CHAINS = ["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-ca
           "ngram-mod,draft-simple", "ngram-simple,ngram-cache,draft-simple", "suffix,draft-simple"]
 
 
-def make_session(model, spec_types: str = "", draft=None, n_seq: int = 1, draft_max: int = 6, **spec):
+def make_session(model, spec_types: str = "", draft=None, n_seq: int = 1, draft_max: int = 6,
+                 n_ubatch: int = default("ubatch_size"), **spec):
     params = SpecParams(types=[t for t in spec_types.split(",") if t], draft_max=draft_max, draft_p_min=0.0,
                         **{**SMALL, **spec})
     opts = EngineOptions(model=str(model), model_draft=str(draft) if draft else None, n_ctx=256 * n_seq,
-                         n_seq=n_seq, device="cpu", spec=params)
+                         n_seq=n_seq, device="cpu", n_ubatch=n_ubatch, spec=params)
     return open_session(opts)
 
 
@@ -107,6 +110,36 @@ def test_greedy_speculation_equals_plain_four_sequences(tiny_model_path, tiny_dr
             outs[e.seq].extend(e.tokens)
     assert [outs[seq] for seq in range(len(PROMPTS))] == plain_outputs
     assert sum(s.n_accepted for s in seqs.values()) > 0
+
+
+@pytest.mark.parametrize("chain", ["", "ngram-mod", "draft-simple", "ngram-simple,ngram-cache,draft-simple"])
+def test_prompts_admitted_into_the_steps_ride_beside_the_others_and_keep_greedy_output(tiny_model_path,
+                                                                                       tiny_draft_path,
+                                                                                       plain_outputs, chain):
+    """The server's continuous batching: a prompt admitted while other sequences generate is decoded a few rows per
+    step (the ubatch's room beside the verify rows), its first token emitted by the step that decodes its last
+    row; meanwhile the others go on generating, and every output is what the sequence gives alone."""
+    session = make_session(tiny_model_path, chain, draft=tiny_draft_path, n_seq=4, n_ubatch=12)
+    gen = session.generator()
+    outs: dict[int, list[int]] = {seq: [] for seq in range(len(PROMPTS))}
+    steps_beside_a_prompt = 0
+    step = 0
+    while step == 0 or gen.active or gen.prompts:
+        if step % 3 == 0 and step // 3 < len(PROMPTS):  # a new prompt every third step
+            gen.admit(step // 3, PROMPTS[step // 3], GREEDY, N_PREDICT)
+        generating = {seq for seq, s in gen.active.items() if not s.done}
+        emitted = gen.step()
+        steps_beside_a_prompt += bool(gen.prompts) and any(e.seq in generating for e in emitted)
+        for e in emitted:
+            outs[e.seq].extend(e.tokens)
+            if e.done:
+                gen.finish(e.seq)
+        step += 1
+    assert [outs[seq] for seq in range(len(PROMPTS))] == plain_outputs
+    assert steps_beside_a_prompt > 0
+    with pytest.raises(SpecCliError, match="admitted"):  # `start` prefills alone
+        gen.admit(0, PROMPTS[0], GREEDY, N_PREDICT)
+        gen.start(1, PROMPTS[1], GREEDY, N_PREDICT)
 
 
 @pytest.mark.parametrize("defer_max", [draft_model.DEFER_MAX, 0])

@@ -210,6 +210,26 @@ def test_queue_is_fifo_and_stream_disconnect_frees_the_slot(single):
     assert m["llamacpp:tokens_predicted_total"] < LONG  # the long request stopped when its client left
 
 
+def test_a_client_gone_while_its_prompt_is_decoded_frees_the_slot_and_keeps_the_decoded_prefix(tiny_model_path):
+    """Prompts are decoded a ubatch's room per step (1 row here: 8000 steps, seconds on the tiny model): a client
+    that leaves before its long prompt is in frees the slot at the next step, nothing is generated for it, and the
+    rows decoded so far stay as the slot's cached prefix."""
+    prompt = [40 + i % 50 for i in range(8000)]
+    with LiveServer(make_session(tiny_model_path, n_seq=1, n_ctx_slot=8192, n_ubatch=1),
+                    ServerSettings(metrics=True, slots=True)) as srv:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/completion", timeout=0.3, json={"prompt": prompt, "n_predict": 8})
+        deadline = time.monotonic() + 30
+        while (slot := httpx.get(srv.url + "/slots").json()[0])["is_processing"]:
+            assert time.monotonic() < deadline, "the slot is still busy after its client left"
+            time.sleep(0.01)
+        assert slot["next_token"][0]["n_decoded"] == 0
+        assert 0 < slot["n_cached_tokens"] < len(prompt)
+        assert parse_metrics(httpx.get(srv.url + "/metrics").text)["llamacpp:tokens_predicted_total"] == 0
+        r = httpx.post(srv.url + "/completion", json={"prompt": prompt[:50], "n_predict": 3}, timeout=30)
+        assert r.status_code == 200 and r.json()["tokens_predicted"] == 3 and r.json()["timings"]["cache_n"] > 0
+
+
 def test_non_streaming_disconnect_frees_the_slot(single):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(single.url + "/completion", timeout=0.5,

@@ -66,6 +66,18 @@ class Sequence:
 
 
 @dataclass
+class Prompt:
+    """A prompt admitted into the steps (`Generator.admit`), decoded a chunk per step."""
+
+    seq: int
+    prompt: list[int]
+    sampling: SamplingParams
+    n_predict: int
+    spec: SpecOverrides
+    n_done: int  # its tokens in the KV cache
+
+
+@dataclass
 class Emitted:
     seq: int
     tokens: list[int]  # new tokens for the caller (EOG excluded)
@@ -75,7 +87,7 @@ class Emitted:
 
 @dataclass
 class Timings:
-    t_prompt_ms: float = 0.0
+    t_prompt_ms: float = 0.0  # prompts prefilled by `start` (an admitted prompt's rows are timed with the steps)
     n_prompt: int = 0
     t_gen_ms: float = 0.0
     n_gen: int = 0
@@ -109,55 +121,68 @@ class Generator:
         self.planner = planner if chain is not None else None
         self.cut_heads: dict[int, tuple[str, int, bool]] = {}  # seq -> (winner, first token cut off, had probs)
         self.active: dict[int, Sequence] = {}
+        self.prompts: dict[int, Prompt] = {}  # admitted prompts on their way into the KV cache, oldest first
         self.timings = Timings()
 
     # --- prompt ------------------------------------------------------------------------------------------
 
-    def start(self, seq: int, prompt: list[int], sampling: SamplingParams, n_predict: int = -1,
-              spec: SpecOverrides | None = None, n_cached: int = 0) -> Emitted:
-        """Prefill `prompt` on sequence `seq` (its first `n_cached` tokens already in the KV cache) and sample
-        the first token."""
+    def admit(self, seq: int, prompt: list[int], sampling: SamplingParams, n_predict: int = -1,
+              spec: SpecOverrides | None = None, n_cached: int = 0) -> None:
+        """Take `prompt` for sequence `seq` (its first `n_cached` tokens already in the KV cache) into the steps:
+        from the next `step` on its rows ride after the other sequences' verify rows, as many per step as the
+        ubatch has room for, and the step that decodes its last row emits its first token (llama-server's
+        continuous batching: a long prompt no longer stops the other slots)."""
         ctx = self.target
         if not prompt:
             raise SpecCliError("empty prompt")
         if len(prompt) >= ctx.n_ctx_seq:
             raise SpecCliError(f"prompt is too long ({len(prompt)} tokens, the context holds {ctx.n_ctx_seq - 1})")
-        t0 = clock()
         n_cached = min(n_cached, len(prompt) - 1)
         ctx.seq_rm(seq, n_cached)
-        logits = None
-        for start in range(n_cached, len(prompt), ctx.n_batch):
-            chunk = prompt[start : start + ctx.n_batch]
+        self.prompts[seq] = Prompt(seq, list(prompt), sampling, n_predict, spec or SpecOverrides(), n_cached)
+
+    def start(self, seq: int, prompt: list[int], sampling: SamplingParams, n_predict: int = -1,
+              spec: SpecOverrides | None = None, n_cached: int = 0) -> Emitted:
+        """Prefill `prompt` on sequence `seq` now, in chunks of n_batch rows (its first `n_cached` tokens already
+        in the KV cache), and sample the first token. No other prompt may be admitted meanwhile."""
+        if self.prompts:
+            raise SpecCliError(f"sequences {list(self.prompts)} have prompts admitted into the steps")
+        t0 = clock()
+        self.admit(seq, prompt, sampling, n_predict, spec, n_cached)
+        n_prompt = len(prompt) - self.prompts[seq].n_done
+        first: list[Emitted] = []
+        while not first:
             batch = Batch()
-            for i, tok in enumerate(chunk):
-                batch.add(tok, start + i, seq, start + i == len(prompt) - 1)
-            out = ctx.decode(batch)
+            taken = self._add_prompt_rows(batch, self.target.n_batch)
+            out = self.target.decode(batch)
             if self.chain:
                 self.chain.process(batch)
-            if out.logits.shape[0]:
-                logits = out.logits[-1]
-        sampler = Sampler(sampling, ctx.config.n_vocab, logits.device, eog_ids=sorted(self.eog_ids))
-        for tok in prompt:
-            sampler.accept(tok)
-        s = Sequence(seq, list(prompt), sampler, n_predict, spec or SpecOverrides(), n_prompt=len(prompt))
-        first = sampler.sample(logits)
-        sampler.accept(first)
-        self.active[seq] = s
-        if self.chain:
-            self.chain.begin(seq, s.tokens)
+            first = self._advance_prompts(taken, out.logits)
         t1 = clock()
         self.timings.t_prompt_ms += _ms(t0, t1)
         self.timings.t_compile_ms += _compile_ms(t0, t1)
-        self.timings.n_prompt += len(prompt) - n_cached
-        return self._emit(s, [first], 0)
+        self.timings.n_prompt += n_prompt
+        return first[0]
+
+    def holds(self, seq: int) -> bool:
+        """Whether sequence `seq` is generating or has a prompt admitted."""
+        return seq in self.active or seq in self.prompts
+
+    def drop_prompt(self, seq: int) -> list[int]:
+        """Forget an admitted prompt before its first token (its client went away): -> the tokens its KV cache
+        holds by now."""
+        p = self.prompts.pop(seq)
+        return p.prompt[: p.n_done]
 
     # --- one step for every active sequence ---------------------------------------------------------------
 
     def step(self) -> list[Emitted]:
+        """One draft-verify step of every active sequence, with the next rows of the admitted prompts (`admit`):
+        their first tokens come among the emitted ones."""
         seqs = [s for s in self.active.values() if not s.done]
-        if not seqs:
+        if not seqs and not self.prompts:
             return []
-        if self.planner is not None and not self.planner.costs.calibrated:
+        if seqs and self.planner is not None and not self.planner.costs.calibrated:
             t = time.perf_counter()
             self.planner.costs.calibrate(self.target, seqs[0].seq)  # once per engine, at a real depth
             self.timings.t_calibrate_ms += (time.perf_counter() - t) * 1000
@@ -171,6 +196,9 @@ class Generator:
             draft = params[s.seq].result if s.seq in params else []
             for i, tok in enumerate([s.id_last] + draft):
                 batch.add(tok, s.n_past + i, s.seq, True)
+        n_verify = len(batch)
+        room = min(max(self.target.n_ubatch - n_verify, 1), self.target.n_batch - n_verify)
+        taken = self._add_prompt_rows(batch, room)
         out = self.target.decode(batch)
         if self.chain:
             self.chain.process(batch)
@@ -193,8 +221,9 @@ class Generator:
             s.tokens.append(s.id_last)
             s.tokens.extend(ids[:-1])
             emitted.append(self._emit(s, ids, n_acc))
+        emitted += self._advance_prompts(taken, out.logits)
         t3 = clock()
-        if self.planner is not None:
+        if self.planner is not None and not taken:  # prompt rows would teach the verify-cost curve a prefill's
             self.planner.observe_step(self.target.step_rows(batch), run_seconds(t1, t3))
         tm = self.timings
         tm.t_draft_ms += _ms(t0, t1)
@@ -204,6 +233,41 @@ class Generator:
         tm.t_compile_ms += _compile_ms(t0, t3)
         tm.n_steps += 1
         return emitted
+
+    def _add_prompt_rows(self, batch: Batch, room: int) -> list[tuple[Prompt, int]]:
+        """Append the next rows of the admitted prompts, oldest first, `room` rows at most (a prompt's last row
+        flagged for logits): -> (prompt, its rows in the batch) per prompt that got rows."""
+        taken = []
+        for p in self.prompts.values():
+            n = min(room, len(p.prompt) - p.n_done)
+            if n <= 0:
+                break
+            for pos in range(p.n_done, p.n_done + n):
+                batch.add(p.prompt[pos], pos, p.seq, pos == len(p.prompt) - 1)
+            taken.append((p, n))
+            room -= n
+        return taken
+
+    def _advance_prompts(self, taken: list[tuple[Prompt, int]], logits: torch.Tensor) -> list[Emitted]:
+        """After the decode of a batch that ended with the `taken` prompt rows (`logits` of its flagged rows): the
+        prompts whose last row was in it become active sequences, each with its first token sampled."""
+        done = [p for p, n in taken if p.n_done + n == len(p.prompt)]
+        for p, n in taken:
+            p.n_done += n
+        first_rows = logits[logits.shape[0] - len(done):]  # the flagged rows after the verify rows, in order
+        return [self._first_token(self.prompts.pop(p.seq), row) for p, row in zip(done, first_rows)]
+
+    def _first_token(self, p: Prompt, logits: torch.Tensor) -> Emitted:
+        sampler = Sampler(p.sampling, self.target.config.n_vocab, logits.device, eog_ids=sorted(self.eog_ids))
+        for tok in p.prompt:
+            sampler.accept(tok)
+        s = Sequence(p.seq, p.prompt, sampler, p.n_predict, p.spec, n_prompt=len(p.prompt))
+        first = sampler.sample(logits)
+        sampler.accept(first)
+        self.active[p.seq] = s
+        if self.chain:
+            self.chain.begin(p.seq, s.tokens)
+        return self._emit(s, [first], 0)
 
     def finish(self, seq: int, reason: str = "stop") -> None:
         """Drop a sequence (finished, cancelled, client gone); its KV cells are reused by the next request."""

@@ -7,15 +7,17 @@ across them). The loop, between generation steps:
   1. admits queued jobs into free slots, oldest first (a job pinned to a busy slot with `id_slot` waits
      without holding back the others); an unpinned job takes the free slot whose cached tokens share the
      longest prefix with its prompt, else the least recently used one (llama.cpp's slot selection);
-  2. prefills each admitted prompt with `gen.start`, reusing that common prefix of the KV cache (`cache_prompt`);
-     the prompt goes in whole, so a long one pauses the other slots meanwhile (llama.cpp interleaves prompt
-     chunks with generation steps);
-  3. runs ONE `gen.step()` for every active slot: one batched draft call and one target decode for all of them;
+  2. hands each admitted prompt to the generator (`gen.admit`), reusing that common prefix of the KV cache
+     (`cache_prompt`);
+  3. runs ONE `gen.step()` for every active slot: one batched draft call and one target decode for all of them,
+     the admitted prompts' next rows in the same decode (as many as the ubatch, -ub, has room for beside the
+     verify rows: llama.cpp's continuous batching), so a long prompt does not stop the other slots; a prompt's
+     first token comes from the step that decodes its last row;
   4. detokenizes each slot's new tokens, applies stop strings, and hands the text to the request's event loop
      with `call_soon_threadsafe`. A disconnected client's task is dropped before the next step.
 Work on the engine that is not a generation (a slot file saved or restored, a slot erased: slot_actions.py) is
 `call`ed: it runs on this thread before the admissions of a round, between two steps.
-Per-slot drafter state is reset by `chain.begin` inside `gen.start`; the ngram-mod pool stays shared.
+Per-slot drafter state is reset by `chain.begin` when a prompt is in; the ngram-mod pool stays shared.
 """
 
 from __future__ import annotations
@@ -177,7 +179,7 @@ class Scheduler:
             self._drop_cancelled()
             for task in admitted:
                 self._guarded(self._start, task)
-            if self.gen.active:
+            if self.gen.active or self.gen.prompts:
                 self._guarded(self._step)
         self._fail_all(Failure("server is shutting down", 503, "unavailable_error"))
         for _, future in self._calls:
@@ -217,22 +219,14 @@ class Scheduler:
         n_cached = common_prefix(slot.cached, job.prompt) if job.cache_prompt else 0
         task.n_cached = min(n_cached, len(job.prompt) - 1)
         slot.cached = []  # the KV cache of this sequence is about to change
-        t0 = clock()
+        task.t_admit = clock()
         # n_predict 0 = evaluate the prompt only: sample one token and drop it
         n_predict = 1 if job.n_predict == 0 else job.n_predict
         try:
-            first = self.gen.start(slot.id, job.prompt, job.sampling, n_predict, job.spec, task.n_cached)
+            self.gen.admit(slot.id, job.prompt, job.sampling, n_predict, job.spec, task.n_cached)
         except SpecCliError as e:
             self._release(slot)
             task.post(Failure(str(e), 400, "invalid_request_error"))
-            return
-        task.t_start = clock()
-        task.t_prompt_ms = run_seconds(t0, task.t_start) * 1e3  # compiling a new step shape is not prompt time
-        c = self.counters
-        c.prompt_tokens += len(job.prompt) - task.n_cached
-        c.prompt_tokens_cached += task.n_cached
-        c.prompt_ms += task.t_prompt_ms
-        self._deliver(task, first)
 
     def _step(self) -> None:
         emitted = self.gen.step()
@@ -240,8 +234,19 @@ class Scheduler:
         self.counters.busy_slot_steps += len(emitted)
         for e in emitted:
             task = self.slots[e.seq].task
-            if task is not None:
-                self._deliver(task, e)
+            if task is None:
+                continue
+            if task.t_start is None:  # its prompt's first token
+                self._prompt_done(task)
+            self._deliver(task, e)
+
+    def _prompt_done(self, task: Task) -> None:
+        task.t_start = clock()
+        task.t_prompt_ms = run_seconds(task.t_admit, task.t_start) * 1e3  # compiling a step shape is not its time
+        c = self.counters
+        c.prompt_tokens += len(task.job.prompt) - task.n_cached
+        c.prompt_tokens_cached += task.n_cached
+        c.prompt_ms += task.t_prompt_ms
 
     def _deliver(self, task: Task, e: Emitted) -> None:
         seq = self.gen.active[e.seq]
@@ -279,8 +284,10 @@ class Scheduler:
         task.post(result)
 
     def _end_early(self, slot: Slot, reason: str) -> list[int]:
-        """Ends a slot's generation before its end (the client went away, an error); returns the sequence's tokens
-        (its KV cache contents)."""
+        """Ends a slot's generation, or its prompt's processing, before its end (the client went away, an error);
+        returns the tokens its KV cache holds."""
+        if slot.id in self.gen.prompts:
+            return self.gen.drop_prompt(slot.id)
         seq = self.gen.active[slot.id]
         self._count_generation(slot.task, seq)
         self.gen.finish(slot.id, reason)
@@ -303,7 +310,7 @@ class Scheduler:
     def _drop_cancelled(self) -> None:
         for slot in self.slots:
             task = slot.task
-            if task is None or not task.cancelled or slot.id not in self.gen.active:
+            if task is None or not task.cancelled or not self.gen.holds(slot.id):
                 continue
             self._release(slot, self._end_early(slot, "cancelled"))
 
@@ -338,7 +345,7 @@ class Scheduler:
             task = slot.task
             if task is None:
                 continue
-            if slot.id in self.gen.active:
+            if self.gen.holds(slot.id):
                 self._end_early(slot, "error")
             self._release(slot)
             task.post(failure)

@@ -150,6 +150,7 @@ class Task:
         self.out = StopText(tokenizer, job.stop)
         self.tokens: list[int] = []  # tokens handed to the client
         self.n_cached = 0
+        self.t_admit: tuple[float, float] | None = None  # compiled.clock() when its prompt was admitted
         self.t_start: tuple[float, float] | None = None  # compiled.clock() when its generation began
         self.t_prompt_ms = 0.0
 
