@@ -10,9 +10,9 @@ across them). The loop, between generation steps:
   2. hands each admitted prompt to the generator (`gen.admit`), reusing that common prefix of the KV cache
      (`cache_prompt`);
   3. runs ONE `gen.step()` for every active slot: one batched draft call and one target decode for all of them,
-     the admitted prompts' next rows in the same decode (as many as the ubatch, -ub, has room for beside the
-     verify rows: llama.cpp's continuous batching), so a long prompt does not stop the other slots; a prompt's
-     first token comes from the step that decodes its last row;
+     the oldest admitted prompt's next rows in the same decode (as many as the ubatch, -ub, has room for beside
+     the verify rows: llama.cpp's continuous batching), so a long prompt does not stop the other slots; a
+     prompt's first token comes from the step that decodes its last row;
   4. detokenizes each slot's new tokens, applies stop strings, and hands the text to the request's event loop
      with `call_soon_threadsafe`. A disconnected client's task is dropped before the next step.
 Work on the engine that is not a generation (a slot file saved or restored, a slot erased: slot_actions.py) is
