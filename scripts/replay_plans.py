@@ -63,8 +63,12 @@ class OracleContext:
         self.config, self.device = ctx.config, ctx.device
         self.n_seq, self.n_ctx, self.n_ctx_seq, self.n_batch = ctx.n_seq, ctx.n_ctx, ctx.n_ctx_seq, ctx.n_batch
         self.costs = costs
+        self.ragged = True  # a decode is charged for its own rows
         self.streams: dict[int, list[int]] = {}
         self.modeled_s = self.real_s = 0.0
+
+    def step_rows(self, batch: Batch) -> int:
+        return len(batch)
 
     def decode(self, batch: Batch, hidden: bool = False) -> DecodeOutput:
         t0 = time.perf_counter()

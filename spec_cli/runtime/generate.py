@@ -196,9 +196,7 @@ class Generator:
             draft = params[s.seq].result if s.seq in params else []
             for i, tok in enumerate([s.id_last] + draft):
                 batch.add(tok, s.n_past + i, s.seq, True)
-        n_verify = len(batch)
-        room = min(max(self.target.n_ubatch - n_verify, 1), self.target.n_batch - n_verify)
-        taken = self._add_prompt_rows(batch, room)
+        taken = self._add_prompt_rows(batch, self._prompt_room(len(batch))) if self.prompts else None
         out = self.target.decode(batch)
         if self.chain:
             self.chain.process(batch)
@@ -233,6 +231,11 @@ class Generator:
         tm.t_compile_ms += _compile_ms(t0, t3)
         tm.n_steps += 1
         return emitted
+
+    def _prompt_room(self, n_verify: int) -> int:
+        """Prompt rows a step of `n_verify` verify rows takes: what the ubatch leaves, at least one (a prompt moves
+        on beside any drafts), within n_batch."""
+        return min(max(self.target.n_ubatch - n_verify, 1), self.target.n_batch - n_verify)
 
     def _add_prompt_rows(self, batch: Batch, room: int) -> tuple[Prompt, int] | None:
         """Append the next rows of the oldest admitted prompt, `room` at most (its last row flagged for logits):
