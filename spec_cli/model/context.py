@@ -317,9 +317,8 @@ class Context:
 
 def _grid(batch: Batch, groups: dict[int | None, list[int]], G: int, T: int):
     """The rows of `groups` (the batch rows of each group: a sequence's, or every row of a ragged step) laid out as
-    [G, T], flat: -> (tokens, positions, the flat
-    index of each batch row, (flat rows, sequences, positions) of the KV writes). Padded cells hold token 0 at
-    position 0."""
+    [G, T], flat: -> (tokens, positions, the flat index of each batch row, (flat rows, sequences, positions) of the
+    KV writes). Padded cells hold token 0 at position 0."""
     tokens, positions = [0] * (G * T), [0] * (G * T)
     flat_of_row: dict[int, int] = {}
     write_rows, write_seq, write_pos = [], [], []
