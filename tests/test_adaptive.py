@@ -625,6 +625,32 @@ def test_a_draft_model_is_not_dropped_at_a_dip_of_its_estimates_and_comes_back_a
     planner.begin_request()
     assert planner.drafting_caps(["x"], 1)["x"] > 0  # the next request asks it again
 
+def test_a_draft_model_dropped_where_both_memories_dipped_returns_where_the_requests_so_far_say_it_pays():
+    """A stretch of hard text longer than the ~20-ask memory drops a model drafter on both sets of estimates, and
+    while dropped it is not observed: at the next request's first step the estimates of the whole run so far (~100
+    asks) bring it back, where the dip alone said nothing of it."""
+    costs = CostModel()  # a 1.5b's curve (ms); the 0.5b drafting for it costs 11.5 ms a forward
+    costs.set_points({1: 32.1, 2: 34.3, 3: 34.0, 4: 35.0, 6: 43.5, 8: 53.6, 12: 74.1, 16: 91.5})
+    planner = Planner(costs)
+    planner.begin_request()
+
+    def ask(n_drafted: int) -> None:
+        planner.observe_drafting("x", 11.5 * forwards(n_drafted, 4), [(n_drafted, 4)])
+        if n_drafted:
+            planner.observe_accept("x", n_drafted, n_drafted)
+
+    for i in range(150):  # half its asks give a draft of 3, accepted whole: worth asking
+        assert planner.drafting_caps(["x"], 1)["x"] > 0
+        ask(3 * (i % 2))
+    for _ in range(30):  # hard text: every ask stopped by p-min
+        ask(0)
+    assert [planner.drafting_caps(["x"], 1)["x"] for _ in range(5)] == [0] * 5  # dropped on both memories
+    assert planner._long_run_length("x", 1) == 0
+    planner.begin_request()
+    assert planner.drafting_caps(["x"], 1)["x"] > 0  # the run's evidence brings it back
+    assert planner.drafting_caps(["x"], 1)["x"] > 0  # and the recent estimates start over from it
+
+
 # --- a recorded trace ------------------------------------------------------------------------------------------
 
 TRACES = Path(__file__).parent / "traces"

@@ -94,6 +94,13 @@ ASK_MARGIN = 0.05
 # a memory of ~50 asks: the 0.5b with smollm2 on code edits 0.86 -> 0.99x of draft-max 4, the 1.5b's chat 0.94 ->
 # 0.97x of draft-max 8, writing 0.96 -> 0.97-0.98x of plain; the 0.5b's chat 0.96 -> 0.91x.
 LONG_RUN_DECAY = 0.95
+# Both memories dip together where the text is hard for a while (the 0.5b drafting for the 1.5b on chat: dropped at a
+# reach of 0.25 against the run's 0.48), and stay there while it is dropped, so the next requests ran draftless too
+# (35 % of the chat set's steps). A third set of estimates, with a memory of ~100 asks (POOLED_DECAY; its reach an
+# unbiased mean, not an EMA from 1.0), brings a dropped drafter back at a request's first step where the requests so
+# far say it pays. Replayed on four saved curve files: the 1.5b's chat 1.027 -> 1.043x of plain on one (draft-max 4
+# 1.069x), chained 1.029 -> 1.042x; elsewhere the same plans.
+POOLED_DECAY = 0.99
 
 
 class AcceptanceModel:
@@ -206,6 +213,8 @@ class Planner:
         # (a draft model stops below --draft-p-min: at once on a third to a half of its asks on chat)
         self.reach: dict[str, list[float]] = {}
         self.long_run_reach: dict[str, list[float]] = {}  # the same, with a longer memory
+        self.pooled = AcceptanceModel(n_max, POOLED_DECAY)  # the same, with a memory across requests
+        self.pooled_reach: dict[str, list[list[float]]] = {}  # per position: [asks that reached it, asks], decayed
         self.step = 0
         self.request_step = -1  # the first step of the newest request
         self.next_probe: dict[str, int] = {}
@@ -245,7 +254,7 @@ class Planner:
                 self.unasked.add(name)
             k = self._uniform_length(name, n_seq)
             if self.step == self.request_step:  # its cache holds the prompt `begin` mirrored: no restart to pay
-                k = k or self._long_run_length(name, n_seq)
+                k = k or self._long_run_length(name, n_seq) or self._pooled_length(name, n_seq)
             elif k > 0 and name in self.dropped and name not in probed:
                 k = 0  # fallen to 0: only a probe's evidence brings it back, not a drift of the cost estimates
             elif k == 0 and name not in self.dropped:  # a dip of the recent estimates alone does not drop it
@@ -275,6 +284,23 @@ class Planner:
             if name in self.long_run_reach:
                 self.reach[name] = list(self.long_run_reach[name])
         return k
+
+    def _pooled_length(self, name: str, n_seq: int) -> int:
+        """The length the pooled estimates (POOLED_DECAY) plan for a model drafter the other two plan at 0; where
+        it is not 0, both start over from the pooled ones."""
+        k = self._uniform_length(name, n_seq, pooled=True)
+        if k > 0:
+            self.acceptance.adopt(name, self.pooled)
+            self.long_run.adopt(name, self.pooled)
+            if name in self.pooled_reach:
+                self.reach[name] = self._pooled_reach(name)
+                self.long_run_reach[name] = self._pooled_reach(name)
+        return k
+
+    def _pooled_reach(self, name: str) -> list[float] | None:
+        """r_1..r_n_max of the pooled memory: the decayed fraction of asks that reached each position."""
+        counts = self.pooled_reach.get(name)
+        return [reached / asked if asked else 1.0 for reached, asked in counts] if counts else None
 
     def _free_cap(self, name: str, n_seq: int) -> int:
         """A free drafter's cap: n_max where its drafts pay for their verify rows (a draft costs the same at any
@@ -334,7 +360,7 @@ class Planner:
         gains, plain = self.acceptance.gains(name), self.costs(n_seq)
         return any(expected_tokens(gains, k) * plain > self.costs(n_seq * (1 + k)) for k in range(1, self.n_max + 1))
 
-    def _uniform_length(self, name: str, n_seq: int, long_run: bool = False) -> int:
+    def _uniform_length(self, name: str, n_seq: int, long_run: bool = False, pooled: bool = False) -> int:
         """argmax_k of the tokens per second if every sequence asked drafter `name`, whose asking costs time, for k
         tokens, where its draft reaches position j with probability r_j (`reach`: a draft model stops below
         --draft-p-min, and then gives none, but its seed row was paid for):
@@ -349,8 +375,11 @@ class Planner:
         0.02-0.2 ms against a 0.5b forward's 14.5, but priced per token, their EMA (one call preempted for 7-30 ms
         on a busy machine included) counted k times on every ask against a gain that comes with 1 ask in r_1:
         ngram-mod, drafting on 7 % of code-edit steps, was capped at a few tokens or dropped.
-        `long_run`: planned on the estimates with the longer memory (`_long_run_length`)."""
-        if long_run:
+        `long_run`, `pooled`: planned on the estimates with a longer memory (`_long_run_length`,
+        `_pooled_length`)."""
+        if pooled:
+            gains, reach = self.pooled.gains(name), self._reach(self._pooled_reach(name))
+        elif long_run:
             gains, reach = self.long_run.gains(name), self._reach(self.long_run_reach.get(name))
         else:
             gains, reach = self.acceptance.gains(name), self._reach(self.reach.get(name))
@@ -419,11 +448,15 @@ class Planner:
         reach."""
         n_forwards = 1 if name in self.per_call else sum(forwards(n, most) for n, most in drafts)
         self.draft_costs.setdefault(name, DraftCost()).observe(seconds, n_forwards)
-        for reach, decay in ((self.reach, ACCEPT_DECAY), (self.long_run_reach, LONG_RUN_DECAY)):
-            r = reach.setdefault(name, [1.0] * self.n_max)
-            for j in range(self.n_max):
-                allowed = [n > j for n, most in drafts if most > j]
-                if allowed:
+        short = self.reach.setdefault(name, [1.0] * self.n_max)
+        long_run = self.long_run_reach.setdefault(name, [1.0] * self.n_max)
+        pooled = self.pooled_reach.setdefault(name, [[0.0, 0.0] for _ in range(self.n_max)])
+        for j in range(self.n_max):
+            allowed = [n > j for n, most in drafts if most > j]
+            pooled[j][0] = POOLED_DECAY * pooled[j][0] + sum(allowed)
+            pooled[j][1] = POOLED_DECAY * pooled[j][1] + len(allowed)
+            if allowed:
+                for r, decay in ((short, ACCEPT_DECAY), (long_run, LONG_RUN_DECAY)):
                     r[j] += (1 - decay) * (sum(allowed) / len(allowed) - r[j])
 
     def observe_catch_up(self, name: str, seconds: float) -> None:
@@ -451,6 +484,7 @@ class Planner:
     def observe_accept(self, name: str, n_drafted: int, n_accepted: int) -> None:
         self.acceptance.observe(name, n_drafted, n_accepted)
         self.long_run.observe(name, n_drafted, n_accepted)
+        self.pooled.observe(name, n_drafted, n_accepted)
         if n_drafted:
             self.n_verified[name] = self.n_verified.get(name, 0) + 1
 
@@ -460,6 +494,7 @@ class Planner:
         shadow comes when its asking has cost no more than PROBE_BUDGET of the steps between."""
         self.acceptance.observe(name, n_scored, n_matched)
         self.long_run.observe(name, n_scored, n_matched)
+        self.pooled.observe(name, n_scored, n_matched)
         cost = self.draft_costs.get(name)
         asking = cost.seconds if cost else 0.0
         gap = math.ceil(asking / (PROBE_BUDGET * self.costs(1))) if self.costs.calibrated else PROBE_GAP_MIN
