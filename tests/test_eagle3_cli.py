@@ -49,6 +49,9 @@ def test_draft_train_writes_a_head_and_reports_its_acceptance(files):
     result = json.loads(run.stdout)
     assert result["steps"] == 20 and Path(result["out_path"]) == head
     assert 0 <= result["acc_after"] <= 1 and result["mean_len_after"] >= 1
+    parts = result["acc_parts"]  # the held-out answers' and the held-out code's, apart: the whole is their mean
+    assert set(parts) == {"answers", "code"}
+    assert min(parts.values()) - 1e-9 <= result["acc_after"] <= max(parts.values()) + 1e-9
     stages = [line.split(" ")[0] for line in run.stderr.splitlines()]
     assert {"generate", "features", "train", "eval"} <= set(stages) and "Traceback" not in run.stderr
     reader = GGUFReader(str(head))

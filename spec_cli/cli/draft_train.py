@@ -134,8 +134,11 @@ class LogLines:
 
 def summary(result: TrainResult) -> str:
     loss = f"loss {result.loss_first:.3f} -> {result.loss_last:.3f}; " if result.steps else ""
+    parts = (" (" + ", ".join(f"{part} {acc:.1%}" for part, acc in result.acc_parts.items()) + ")"
+             if result.acc_parts else "")
     length = (f", mean acceptance length {result.mean_len_before:.2f} -> {result.mean_len_after:.2f}"
               if result.mean_len_after is not None else "")
     return (f"wrote {result.out_path}: {result.steps} steps in {result.seconds:.0f} s on {result.train_tokens} "
             f"tokens ({result.gen_tokens} in windows of the target's own answers); {loss}held-out first-position "
-            f"acceptance {result.acc_before:.1%} -> {result.acc_after:.1%}{length} on {result.eval_tokens} tokens")
+            f"acceptance {result.acc_before:.1%} -> {result.acc_after:.1%}{parts}{length} on {result.eval_tokens} "
+            "tokens")

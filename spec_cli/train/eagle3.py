@@ -47,6 +47,7 @@ from spec_cli.train.eagle3_data import (
     draft_row_index,
     draft_rows,
     draft_vocabulary,
+    held_out_windows,
 )
 from spec_cli.train.loop import Loop, TrainResult, acceptance, train_and_estimate, window_batches
 
@@ -274,5 +275,8 @@ def train(loaded: LoadedModel, out_path: str | Path, cfg: Eagle3TrainConfig, pro
         loop, lambda step: ttt_loss(head, teacher, train_w.select(windows(step)), cfg.ttt_steps, bf16),
         lambda: estimate(head, teacher, held, cfg), progress, t0, out_path, train_w.n_tokens,
         cfg.gen_tokens // cfg.seq_len * cfg.seq_len, held.n_tokens)
+    n_answers = held_out_windows(cfg.seq_len, cfg.eval_tokens)[0]
+    result.acc_parts = {part: estimate(head, teacher, held.select(rows), cfg)[0]
+                        for part, rows in (("answers", slice(0, n_answers)), ("code", slice(n_answers, None)))}
     write_eagle3_gguf(head, loaded.gguf.path, out_path, out_type(cfg.outtype))
     return result

@@ -88,6 +88,12 @@ def code_windows(loaded: LoadedModel, tokens: torch.Tensor, layers: tuple[int, .
     return Windows(tokens, out.features[:, :, :-1], out.features[:, :, -1], top1)
 
 
+def held_out_windows(seq_len: int, eval_tokens: int) -> tuple[int, int]:
+    """(answer windows, code windows) of the held-out set, in that order (`build`)."""
+    n_held = max(2, eval_tokens // seq_len)
+    return n_held // 2, n_held - n_held // 2
+
+
 def build(loaded: LoadedModel, layers: tuple[int, ...], seq_len: int, gen_tokens: int, code_tokens: int,
           eval_tokens: int, batch: int, seed: int, progress: ProgressFn | None) -> tuple[Windows, Windows]:
     """Training windows (answers, then code) and held-out windows (half answers to held-out requests, half held-out
@@ -95,15 +101,16 @@ def build(loaded: LoadedModel, layers: tuple[int, ...], seq_len: int, gen_tokens
     rng = random.Random(seed)
     tokenizer = Tokenizer.from_metadata(loaded.gguf.metadata)
     docs = stdlib_documents()
-    T, n_held = seq_len, max(2, eval_tokens // seq_len)
+    T = seq_len
+    n_held_answers, n_held_code = held_out_windows(T, eval_tokens)
     if progress:
         progress(Progress("data", 0, 1, {}))
-    held_code = token_windows(tokenizer, [d for d in docs if is_held_out(d[0])], T, n_held - n_held // 2, rng)
+    held_code = token_windows(tokenizer, [d for d in docs if is_held_out(d[0])], T, n_held_code, rng)
     train = [answer_windows(loaded, tokenizer, requests(gen_tokens // T, False, rng), T, layers, progress)]
     if code_tokens >= T:
         code = token_windows(tokenizer, [d for d in docs if not is_held_out(d[0])], T, code_tokens // T, rng)
         train.append(code_windows(loaded, code, layers, batch, progress, "features"))
-    held = join([answer_windows(loaded, tokenizer, requests(n_held // 2, True, rng), T, layers, progress),
+    held = join([answer_windows(loaded, tokenizer, requests(n_held_answers, True, rng), T, layers, progress),
                  code_windows(loaded, held_code, layers, batch, progress, "eval-features")])
     return join(train), held
 

@@ -32,6 +32,9 @@ class TrainResult:
     acc_after: float
     mean_len_before: float | None = None  # held-out mean acceptance length, where the trainer estimates it
     mean_len_after: float | None = None
+    # held-out first-position acceptance after the steps per kind of text, where the held-out set mixes kinds: the
+    # target's answers to held-out requests (of the training requests' templates) and held-out code
+    acc_parts: dict[str, float] | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
