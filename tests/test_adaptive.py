@@ -645,7 +645,7 @@ def test_a_draft_model_dropped_where_both_memories_dipped_returns_where_the_requ
     for _ in range(30):  # hard text: every ask stopped by p-min
         ask(0)
     assert [planner.drafting_caps(["x"], 1)["x"] for _ in range(5)] == [0] * 5  # dropped on both memories
-    assert planner._long_run_length("x", 1) == 0
+    assert planner._uniform_length("x", 1, "long_run") == 0
     planner.begin_request()
     assert planner.drafting_caps(["x"], 1)["x"] > 0  # the run's evidence brings it back
     assert planner.drafting_caps(["x"], 1)["x"] > 0  # and the recent estimates start over from it

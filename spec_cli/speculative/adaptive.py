@@ -101,6 +101,7 @@ LONG_RUN_DECAY = 0.95
 # far say it pays. Replayed on four saved curve files: the 1.5b's chat 1.027 -> 1.043x of plain on one (draft-max 4
 # 1.069x), chained 1.029 -> 1.042x; elsewhere the same plans.
 POOLED_DECAY = 0.99
+MEMORIES = ("recent", "long_run", "pooled")  # the planner's estimates, shortest memory first
 
 
 class AcceptanceModel:
@@ -254,11 +255,12 @@ class Planner:
                 self.unasked.add(name)
             k = self._uniform_length(name, n_seq)
             if self.step == self.request_step:  # its cache holds the prompt `begin` mirrored: no restart to pay
-                k = k or self._long_run_length(name, n_seq) or self._pooled_length(name, n_seq)
+                k = (k or self._start_over_length(name, n_seq, "long_run")
+                     or self._start_over_length(name, n_seq, "pooled"))
             elif k > 0 and name in self.dropped and name not in probed:
                 k = 0  # fallen to 0: only a probe's evidence brings it back, not a drift of the cost estimates
             elif k == 0 and name not in self.dropped:  # a dip of the recent estimates alone does not drop it
-                k = self._uniform_length(name, n_seq, long_run=True)
+                k = self._uniform_length(name, n_seq, "long_run")
             if k > 0:  # worth asking: should it fall back to 0, its probes start over at the shortest gap
                 self.dropped.discard(name)
                 self._schedule_probe(name, self._probe_gap_min(name))
@@ -275,27 +277,26 @@ class Planner:
         self.probes_granted = set(self.probing)
         return caps
 
-    def _long_run_length(self, name: str, n_seq: int) -> int:
-        """The length the long-run estimates plan for a model drafter the recent ones plan at 0; where it is not 0,
-        the recent estimates start over from the long-run ones (LONG_RUN_DECAY)."""
-        k = self._uniform_length(name, n_seq, long_run=True)
+    def _start_over_length(self, name: str, n_seq: int, memory: str) -> int:
+        """The length the estimates of a longer `memory` (MEMORIES: `long_run`, `pooled`) plan for a model drafter
+        the shorter ones plan at 0; where it is not 0, every shorter memory starts over from its estimates."""
+        k = self._uniform_length(name, n_seq, memory)
         if k > 0:
-            self.acceptance.adopt(name, self.long_run)
-            if name in self.long_run_reach:
-                self.reach[name] = list(self.long_run_reach[name])
+            model, reach = self._estimates(name, memory)
+            shorter = ((self.acceptance, self.reach), (self.long_run, self.long_run_reach))
+            for shorter_model, shorter_reach in shorter[: MEMORIES.index(memory)]:
+                shorter_model.adopt(name, model)
+                if reach is not None:
+                    shorter_reach[name] = list(reach)
         return k
 
-    def _pooled_length(self, name: str, n_seq: int) -> int:
-        """The length the pooled estimates (POOLED_DECAY) plan for a model drafter the other two plan at 0; where
-        it is not 0, both start over from the pooled ones."""
-        k = self._uniform_length(name, n_seq, pooled=True)
-        if k > 0:
-            self.acceptance.adopt(name, self.pooled)
-            self.long_run.adopt(name, self.pooled)
-            if name in self.pooled_reach:
-                self.reach[name] = self._pooled_reach(name)
-                self.long_run_reach[name] = self._pooled_reach(name)
-        return k
+    def _estimates(self, name: str, memory: str) -> tuple[AcceptanceModel, list[float] | None]:
+        """The acceptance model and the observed reach (None before the first ask) of one of MEMORIES."""
+        if memory == "pooled":
+            return self.pooled, self._pooled_reach(name)
+        if memory == "long_run":
+            return self.long_run, self.long_run_reach.get(name)
+        return self.acceptance, self.reach.get(name)
 
     def _pooled_reach(self, name: str) -> list[float] | None:
         """r_1..r_n_max of the pooled memory: the decayed fraction of asks that reached each position."""
@@ -360,7 +361,7 @@ class Planner:
         gains, plain = self.acceptance.gains(name), self.costs(n_seq)
         return any(expected_tokens(gains, k) * plain > self.costs(n_seq * (1 + k)) for k in range(1, self.n_max + 1))
 
-    def _uniform_length(self, name: str, n_seq: int, long_run: bool = False, pooled: bool = False) -> int:
+    def _uniform_length(self, name: str, n_seq: int, memory: str = "recent") -> int:
         """argmax_k of the tokens per second if every sequence asked drafter `name`, whose asking costs time, for k
         tokens, where its draft reaches position j with probability r_j (`reach`: a draft model stops below
         --draft-p-min, and then gives none, but its seed row was paid for):
@@ -375,14 +376,9 @@ class Planner:
         0.02-0.2 ms against a 0.5b forward's 14.5, but priced per token, their EMA (one call preempted for 7-30 ms
         on a busy machine included) counted k times on every ask against a gain that comes with 1 ask in r_1:
         ngram-mod, drafting on 7 % of code-edit steps, was capped at a few tokens or dropped.
-        `long_run`, `pooled`: planned on the estimates with a longer memory (`_long_run_length`,
-        `_pooled_length`)."""
-        if pooled:
-            gains, reach = self.pooled.gains(name), self._reach(self._pooled_reach(name))
-        elif long_run:
-            gains, reach = self.long_run.gains(name), self._reach(self.long_run_reach.get(name))
-        else:
-            gains, reach = self.acceptance.gains(name), self._reach(self.reach.get(name))
+        `memory`: which of MEMORIES' estimates it plans on (`_start_over_length`)."""
+        model, observed_reach = self._estimates(name, memory)
+        gains, reach = model.gains(name), self._reach(observed_reach)
         plain, f = self.costs(n_seq), self._draft_cost(name)
         best_k, best = 0, (1.0 + ASK_MARGIN) / (plain / n_seq)
         expected, verify, n_forwards = 1.0, plain, 1.0
