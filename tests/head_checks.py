@@ -17,7 +17,7 @@ from spec_cli.model.sampling import SamplingParams
 from spec_cli.runtime.generate import generate
 from spec_cli.text.tokenizer import Tokenizer
 from spec_cli.train.eagle3_data import request_prompts
-from spec_cli.train.requests import all_requests, is_held_out
+from spec_cli.train.requests import all_requests
 from tests.server_harness import LiveServer, greedy_reference
 from tests.server_harness import make_session as server_session
 from tests.test_generate_sampling import exact_two_token_distribution
@@ -37,7 +37,7 @@ def trained_and_untrained(train, target_path, d, cfg):
 
 def training_prompts(target_path, n: int) -> list[list[int]]:
     tok = Tokenizer.from_metadata(load_model(target_path, device="cpu").gguf.metadata)
-    return request_prompts(tok, [r for r in all_requests() if not is_held_out(r)][:n], 16)
+    return request_prompts(tok, [r for r in all_requests() if not r.held_out][:n], 16)
 
 
 def assert_it_learned(result, losses: list[float], steps: int) -> None:

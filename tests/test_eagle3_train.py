@@ -13,9 +13,9 @@ from gguf import GGUFReader
 
 from spec_cli.model.loader import load_model
 from spec_cli.model.sampling import SamplingParams
-from spec_cli.text.prompt_sets import load_prompt_set
+from spec_cli.text.prompt_sets import expand, load_prompt_set
 from spec_cli.train.eagle3 import Eagle3TrainConfig, train
-from spec_cli.train.requests import all_requests, is_held_out
+from spec_cli.train.requests import all_requests, documentation
 from tests.draft_recorder import record_drafts
 from tests.head_checks import (
     GGUFContents,
@@ -117,13 +117,19 @@ def test_rejection_sampling_keeps_the_target_distribution(target_path, trained):
 
 
 def test_training_requests_are_not_the_built_in_prompt_sets():
-    builtin = [m["content"] for name in ("chat", "writing", "qa", "summarize", "code-edit")
+    builtin = [expand(m["content"]) for name in ("chat", "writing", "qa", "summarize", "code-edit")
                for p in load_prompt_set(name).prompts for m in p.messages or []]
     requests = all_requests()
-    assert len(set(requests)) == len(requests) > 500
-    assert not any(r in text or text in r for r in requests for text in builtin)
-    held = [r for r in requests if is_held_out(r)]
+    assert len({r.turns for r in requests}) == len(requests) > 500
+    assert all(len(r.turns) % 2 for r in requests)  # the target answers a user's turn
+    turns = [t for r in requests for t in r.turns]
+    assert not any(t in text or text in t for t in turns for text in builtin)
+    docs = documentation()
+    assert len(docs) > 50 and not any(doc in text for _, doc, _ in docs for text in builtin)
+    held = [r for r in requests if r.held_out]
     assert 0.05 < len(held) / len(requests) < 0.2
+    assert any(len(r.turns) == 3 for r in held)
+    assert any(r.turns[0].startswith("Here is some documentation") for r in held)
 
 
 def test_the_training_time_test_computes_the_draft_recursion(target_path, trained):

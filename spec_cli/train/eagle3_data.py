@@ -25,7 +25,7 @@ from spec_cli.train.data import (
     stdlib_documents,
     token_windows,
 )
-from spec_cli.train.requests import requests
+from spec_cli.train.requests import Request, requests
 from spec_cli.train.target_pass import run_target
 
 UNKNOWN = -1  # top1 of a position whose next token the target did not choose
@@ -55,22 +55,26 @@ def join(parts: list[Windows]) -> Windows:
     return Windows(*(torch.cat([getattr(p, f) for p in parts]) for f in Windows.__dataclass_fields__))
 
 
-def request_prompts(tokenizer: Tokenizer, texts: list[str], limit: int) -> list[list[int]]:
-    """Each request as the model's chat (user turn, then the assistant's start), at most `limit` tokens."""
+def request_prompts(tokenizer: Tokenizer, reqs: list[Request], limit: int) -> list[list[int]]:
+    """Each request as the model's chat (its turns, then the assistant's start), at most `limit` tokens."""
     out = []
-    for text in texts:
+    for req in reqs:
         if tokenizer.chat_template:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], True)
+            roles = ("user", "assistant")
+            text = tokenizer.apply_chat_template([{"role": roles[i % 2], "content": turn}
+                                                  for i, turn in enumerate(req.turns)], True)
+        else:
+            text = "\n\n".join(req.turns)
         out.append(tokenizer.encode(text, add_special=True, parse_special=True)[:limit])
     return out
 
 
-def answer_windows(loaded: LoadedModel, tokenizer: Tokenizer, texts: list[str], T: int, layers: tuple[int, ...],
+def answer_windows(loaded: LoadedModel, tokenizer: Tokenizer, reqs: list[Request], T: int, layers: tuple[int, ...],
                    progress: ProgressFn | None) -> Windows:
     """Windows of T tokens: a request, then the target's greedy answer (positions after its end of text, and the
     request's own, are not the target's choices: UNKNOWN)."""
     n = len(loaded.model.layers)
-    prompts = request_prompts(tokenizer, texts, T // 2)
+    prompts = request_prompts(tokenizer, reqs, T // 2)
     ans = greedy_answers(loaded, prompts, T, tuple(layers) + (n,), frozenset(tokenizer.eog_ids), progress,
                          store=torch.bfloat16)
     top1 = torch.full_like(ans.tokens, UNKNOWN)

@@ -1,15 +1,32 @@
-"""Requests the target answers to make a draft head's training data: chat, writing, questions, summaries and code,
-written for this tool (none is in the built-in prompt sets: a test checks it), each a template filled with a
-subject. Requests are split by a hash of their text: held-out ones are never trained on, and the acceptance
-estimate is measured on the target's answers to them.
+"""Requests the target answers to make a draft head's training data: chat (one turn, or a follow-up after an
+earlier answer), writing, questions, summaries and code, each a template written for this tool filled with a subject
+(none is in the built-in prompt sets: a test checks it), and questions about the documentation of standard-library
+functions and classes. Template requests are split by a hash of their text, documentation ones by their module's
+file as the code windows are (train/data.py): held-out ones are never trained on, and the acceptance estimate is
+measured on the target's answers to them.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import random
-import zlib
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
 
-HELD_OUT_MOD = 10  # one request in ten (by text hash) is held out
+from spec_cli.text.prompt_sets import quoted_stdlib_files
+from spec_cli.train.data import is_held_out
+
+
+@dataclass(frozen=True)
+class Request:
+    turns: tuple[str, ...]  # user, assistant, user, ...: the target answers the last (user) turn
+    held_out: bool
+
+
+def single(text: str) -> Request:
+    return Request((text,), is_held_out(text))
 
 SUBJECTS = (
     "a bakery that only opens at night", "learning to play the cello at forty", "a city without cars",
@@ -176,25 +193,96 @@ TEMPLATES = {
 }
 
 
-def all_requests() -> list[str]:
-    """Every request text, in a fixed order."""
+# (user, the assistant's answer, the user's follow-up): the follow-up is what the target answers
+FOLLOW_UPS = (
+    ("Tell me a little about {t}.", "Happy to. Would you like the short version, the history, or how it works?",
+     "How it works, please, with one everyday example.", TOPICS),
+    ("Can you explain {t}?", "Sure. Is this for yourself, for a class, or to explain it to someone else?",
+     "For a presentation to my colleagues tomorrow. Give me the main points and a good opening line.", TOPICS),
+    ("I want to write a short story about {s}.", "Nice idea. Should it be funny, sad or mysterious, and how long?",
+     "Mysterious, about 150 words. Please write it.", SUBJECTS),
+    ("Can you plan a weekend around {s}?", "Of course. Relaxed or busy, and do you have a budget in mind?",
+     "Relaxed and cheap. Write the plan for both days.", SUBJECTS),
+    ("Write a short poem about {s}.", "Should it rhyme, and is there a mood you want?",
+     "No rhyme, and a hopeful mood. Keep it to eight lines.", SUBJECTS),
+    ("Write a Python function that {c}.", "Here is a version with a loop. Do you want type hints and tests too?",
+     "Yes: add type hints and three unit tests, and show the whole code.", CODE_TASKS),
+    ("How would I write a function that {c}?", "Which language are you using, and do you care about speed?",
+     "JavaScript, and readability matters more than speed. Show me the code.", CODE_TASKS),
+)
+# questions about a documentation text (a standard-library docstring), the documentation first
+DOC_QUESTIONS = (
+    "Summarize this documentation in one sentence.",
+    "Explain this to a beginner, with a short usage example.",
+    "Which arguments does it take, and what does each one do?",
+    "Write a small program that uses this, based only on the documentation.",
+    "List the key points of this documentation as bullets.",
+    "What mistake would a newcomer be likely to make with this? Answer from the documentation.",
+)
+DOC_MODULES = (
+    "argparse", "base64", "bisect", "calendar", "colorsys", "contextlib", "copy", "csv", "datetime", "decimal",
+    "difflib", "enum", "filecmp", "fnmatch", "fractions", "gettext", "glob", "gzip", "hashlib", "html", "ipaddress",
+    "itertools", "logging", "math", "mimetypes", "numbers", "operator", "os.path", "pathlib", "platform", "pprint",
+    "random", "re", "sched", "secrets", "shlex", "shutil", "statistics", "string", "tarfile", "tempfile", "timeit",
+    "traceback", "urllib.parse", "uuid", "wave", "zlib",
+)
+DOC_CHARS = (120, 300)  # docstrings of this length: the request stays within half a training window
+
+
+def documentation() -> list[tuple[str, str, bool]]:
+    """(name, docstring, held out) of DOC_MODULES' public functions and classes with a docstring of DOC_CHARS
+    length; held out where the module's file is (train/data.py's split of the code windows, so no held-out text is
+    trained on); modules the built-in prompt sets quote are left out."""
+    root = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    quoted = quoted_stdlib_files()
+    out, seen = [], set()
+    for module_name in DOC_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # stripped distributions
+            continue
+        origin = Path(getattr(module, "__file__", None) or module_name).resolve()
+        if origin in quoted:
+            continue
+        held = is_held_out(origin.relative_to(root).as_posix() if origin.is_relative_to(root) else module_name)
+        for name in sorted(vars(module)):
+            obj = getattr(module, name)
+            if name.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
+                continue
+            if getattr(obj, "__module__", None) != module.__name__:  # imported from elsewhere
+                continue
+            doc = inspect.getdoc(obj)
+            if doc and DOC_CHARS[0] <= len(doc) <= DOC_CHARS[1] and doc not in seen:  # aliases share one
+                seen.add(doc)
+                out.append((f"{module_name}.{name}", doc, held))
+    return out
+
+
+def all_requests() -> list[Request]:
+    """Every request, in a fixed order: the single-turn templates, the follow-ups, the documentation questions."""
     out = []
     for kind in TEMPLATES.values():
         for template, fills in kind:
             if fills is None:  # the other languages' code tasks
-                out += [template.format(l=lang, c=task) for lang in LANGUAGES[1:] for task in CODE_TASKS]
+                out += [single(template.format(l=lang, c=task)) for lang in LANGUAGES[1:] for task in CODE_TASKS]
             else:
-                key = "s" if "{s}" in template else "t" if "{t}" in template else "c"
-                out += [template.format(**{key: f}) for f in fills]
+                out += [single(template.format(**{fill_key(template): f})) for f in fills]
+    for *turns, fills in FOLLOW_UPS:
+        key = fill_key(turns[0])
+        for f in fills:
+            filled = tuple(t.format(**{key: f}) for t in turns)
+            out.append(Request(filled, is_held_out("\n".join(filled))))
+    out += [Request((f"Here is some documentation:\n\n{doc}\n\n{q}",), held)
+            for _, doc, held in documentation() for q in DOC_QUESTIONS]
     return out
 
 
-def is_held_out(text: str) -> bool:
-    return zlib.crc32(text.encode()) % HELD_OUT_MOD == 0
+def fill_key(template: str) -> str:
+    return "s" if "{s}" in template else "t" if "{t}" in template else "c"
 
 
-def requests(n: int, held_out: bool, rng: random.Random) -> list[str]:
+def requests(n: int, held_out: bool, rng: random.Random) -> list[Request]:
     """n requests (repeating the list's shuffled order when n is larger), held-out ones or the others."""
-    pool = [r for r in all_requests() if is_held_out(r) == held_out]
+    pool = [r for r in all_requests() if r.held_out == held_out]
     rng.shuffle(pool)
     return [pool[i % len(pool)] for i in range(n)]
