@@ -25,8 +25,9 @@ class Request:
     held_out: bool
 
 
-def single(text: str) -> Request:
-    return Request((text,), is_held_out(text))
+def templated(*turns: str) -> Request:
+    """A request filled from templates, held out by a hash of its text."""
+    return Request(turns, is_held_out("\n".join(turns)))
 
 SUBJECTS = (
     "a bakery that only opens at night", "learning to play the cello at forty", "a city without cars",
@@ -264,14 +265,12 @@ def all_requests() -> list[Request]:
     for kind in TEMPLATES.values():
         for template, fills in kind:
             if fills is None:  # the other languages' code tasks
-                out += [single(template.format(l=lang, c=task)) for lang in LANGUAGES[1:] for task in CODE_TASKS]
+                out += [templated(template.format(l=lang, c=task)) for lang in LANGUAGES[1:] for task in CODE_TASKS]
             else:
-                out += [single(template.format(**{fill_key(template): f})) for f in fills]
+                out += [templated(template.format(**{fill_key(template): f})) for f in fills]
     for *turns, fills in FOLLOW_UPS:
         key = fill_key(turns[0])
-        for f in fills:
-            filled = tuple(t.format(**{key: f}) for t in turns)
-            out.append(Request(filled, is_held_out("\n".join(filled))))
+        out += [templated(*(t.format(**{key: f}) for t in turns)) for f in fills]
     out += [Request((f"Here is some documentation:\n\n{doc}\n\n{q}",), held)
             for _, doc, held in documentation() for q in DOC_QUESTIONS]
     return out
