@@ -14,6 +14,7 @@ from gguf import GGUFReader
 from spec_cli.model.loader import load_model
 from spec_cli.model.sampling import SamplingParams
 from spec_cli.text.prompt_sets import expand, load_prompt_set
+from spec_cli.train import eagle3_data, requests
 from spec_cli.train.eagle3 import Eagle3TrainConfig, train
 from spec_cli.train.requests import all_requests, documentation
 from tests.draft_recorder import record_drafts
@@ -130,6 +131,24 @@ def test_training_requests_are_not_the_built_in_prompt_sets():
     assert 0.05 < len(held) / len(requests) < 0.2
     assert any(len(r.turns) == 3 for r in held)
     assert any(r.turns[0].startswith("Here is some documentation") for r in held)
+
+
+def test_resuming_reuses_the_data_unless_the_requests_changed(target_path, tmp_path, monkeypatch):
+    loaded = load_model(target_path, device="cpu", dtype="f32")
+    cfg = Eagle3TrainConfig(seq_len=32, batch=2, data_tokens=32 * 4, gen_tokens=32 * 2, eval_tokens=32 * 2)
+    out, layers = tmp_path / "head.gguf", (1, 2, 3)
+
+    def stages(resume: bool) -> set[str]:
+        seen = set()
+        eagle3_data.cached_windows(loaded, layers, cfg, out, resume, lambda p: seen.add(p.stage))
+        return seen
+
+    assert "generate" in stages(False)
+    assert stages(True) == set()  # the same settings and sources: read back
+    more = (*requests.all_requests(), requests.templated("Write a haiku about resuming."))
+    for module in (requests, eagle3_data):
+        monkeypatch.setattr(module, "all_requests", lambda: more)
+    assert "generate" in stages(True)
 
 
 def test_the_training_time_test_computes_the_draft_recursion(target_path, trained):

@@ -6,11 +6,14 @@ estimate is measured on them; the standard-library files the built-in prompt set
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import random
 import sysconfig
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 
 import torch
@@ -53,10 +56,16 @@ class Progress:
 ProgressFn = Callable[[Progress], None]
 
 
-def stdlib_documents() -> list[tuple[str, str]]:
+def stdlib_root() -> Path:
+    """The standard library's directory, links resolved."""
+    return Path(sysconfig.get_paths()["stdlib"]).resolve()
+
+
+@functools.cache
+def stdlib_documents() -> tuple[tuple[str, str], ...]:
     """(name, text) of the standard library's .py sources (tests and prompt-set sources excluded) and of its
-    pydoc topics, sorted."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+    pydoc topics, sorted (read once per process)."""
+    root = stdlib_root()
     excluded = quoted_stdlib_files()
     docs = []
     for path in sorted(root.rglob("*.py")):
@@ -77,7 +86,18 @@ def stdlib_documents() -> list[tuple[str, str]]:
     docs.extend((f"pydoc:{name}", text) for name, text in sorted(topics.items()))
     if not docs:
         raise SpecCliError(f"no standard-library sources found under {root}")
-    return docs
+    return tuple(docs)
+
+
+def sources_fingerprint(texts: Iterable[str]) -> str:
+    """A digest of what a run's data is made from (the standard library's documents, then `texts`: its requests),
+    part of its features cache's key: a run resumed after either changed (another release, another Python) builds
+    its data again."""
+    digest = hashlib.sha256()
+    for text in chain((text for doc in stdlib_documents() for text in doc), texts):
+        digest.update(text.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
 
 
 def is_held_out(name: str) -> bool:

@@ -22,10 +22,11 @@ from spec_cli.train.data import (
     cached,
     greedy_answers,
     is_held_out,
+    sources_fingerprint,
     stdlib_documents,
     token_windows,
 )
-from spec_cli.train.requests import Request, requests
+from spec_cli.train.requests import Request, all_requests, requests
 from spec_cli.train.target_pass import run_target
 
 UNKNOWN = -1  # top1 of a position whose next token the target did not choose
@@ -145,9 +146,10 @@ def cached_windows(loaded: LoadedModel, layers: tuple[int, ...], cfg, out_path: 
                    progress: ProgressFn | None) -> tuple[Windows, Windows]:
     """The training and held-out windows of a trainer's settings (`cfg`: seq_len, batch, data_tokens, gen_tokens,
     eval_tokens, seed) and tapped `layers`, kept next to the output (its name with .features.pt) and read back from
-    there on --resume with the same settings."""
+    there on --resume with the same settings and `sources`."""
     key = {**{k: getattr(cfg, k) for k in ("seq_len", "batch", "data_tokens", "gen_tokens", "eval_tokens", "seed")},
-           "layers": list(layers)}
+           "layers": list(layers), "sources": sources_fingerprint(
+               text for req in all_requests() for text in (*req.turns, str(req.held_out)))}
     data = cached(out_path.with_suffix(".features.pt"), key, resume, lambda: dict(zip(("train", "held"), (
         asdict(w) for w in build(loaded, layers, cfg.seq_len, cfg.gen_tokens, cfg.data_tokens - cfg.gen_tokens,
                                  cfg.eval_tokens, cfg.batch, cfg.seed, progress)))))

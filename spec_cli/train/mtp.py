@@ -35,12 +35,14 @@ from spec_cli.model.mtp_head import MTPHead, write_gguf_with_head
 from spec_cli.options import MTP_TRAIN_OPTIONS
 from spec_cli.text.tokenizer import Tokenizer
 from spec_cli.train.data import (
+    GEN_REQUESTS,
     Progress,
     ProgressFn,
     cached,
     generation_prompts,
     greedy_continuations,
     is_held_out,
+    sources_fingerprint,
     stdlib_documents,
     token_windows,
 )
@@ -194,6 +196,7 @@ def train(loaded: LoadedModel, out_path: str | Path, cfg: TrainConfig, progress:
     device = loaded.model.output_device
     data_key = {k: v for k, v in asdict(cfg).items() if k in ("seq_len", "batch", "data_tokens", "gen_tokens",
                                                                "eval_tokens", "seed")}
+    data_key["sources"] = sources_fingerprint(GEN_REQUESTS)
     data = cached(out_path.with_suffix(".features.pt"), data_key, resume,
                   lambda: dict(zip(("train", "held"), (asdict(f) for f in build_data(loaded, cfg, progress)))))
     feats, held = Features(**data["train"]), Features(**data["held"])

@@ -8,15 +8,15 @@ measured on the target's answers to them.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import random
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
 from spec_cli.text.prompt_sets import quoted_stdlib_files
-from spec_cli.train.data import is_held_out
+from spec_cli.train.data import is_held_out, stdlib_root
 
 
 @dataclass(frozen=True)
@@ -234,7 +234,7 @@ def documentation() -> list[tuple[str, str, bool]]:
     """(name, docstring, held out) of DOC_MODULES' public functions and classes with a docstring of DOC_CHARS
     length; held out where the module's file is (train/data.py's split of the code windows, so no held-out text is
     trained on); modules the built-in prompt sets quote are left out."""
-    root = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    root = stdlib_root()
     quoted = quoted_stdlib_files()
     out, seen = [], set()
     for module_name in DOC_MODULES:
@@ -259,8 +259,10 @@ def documentation() -> list[tuple[str, str, bool]]:
     return out
 
 
-def all_requests() -> list[Request]:
-    """Every request, in a fixed order: the single-turn templates, the follow-ups, the documentation questions."""
+@functools.cache
+def all_requests() -> tuple[Request, ...]:
+    """Every request, in a fixed order: the single-turn templates, the follow-ups, the documentation questions
+    (built once per process)."""
     out = []
     for kind in TEMPLATES.values():
         for template, fills in kind:
@@ -273,7 +275,7 @@ def all_requests() -> list[Request]:
         out += [templated(*(t.format(**{key: f}) for t in turns)) for f in fills]
     out += [Request((f"Here is some documentation:\n\n{doc}\n\n{q}",), held)
             for _, doc, held in documentation() for q in DOC_QUESTIONS]
-    return out
+    return tuple(out)
 
 
 def fill_key(template: str) -> str:
