@@ -197,6 +197,7 @@ def main() -> None:
     ap.add_argument("--draft-max", default="4,8,16,auto")
     ap.add_argument("--prompt-set", default="code-edit,writing,chat")
     ap.add_argument("-n", "--n-predict", type=int, default=64)
+    ap.add_argument("--draft-p-min", type=float, default=SpecParams.draft_p_min, help="a draft model's p-min")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--draft-clock", choices=("real", "curve"), default="real",
                     help="a draft model's forwards at their real time, or at its cost curve's (timed at the start)")
@@ -217,8 +218,8 @@ def main() -> None:
         ChargedDrafts(engine.draft_ctx, draft_costs)
     chains = [spec_types(chain) for chain in args.spec_type.split(";")]
     lengths = [draft_max(v) for v in args.draft_max.split(",")]
-    print(f"{args.model}, -n {args.n_predict}, {args.threads} threads, draft clock {args.draft_clock}: modeled "
-          "speed-up over plain decoding (steps; draft tokens accepted / drafted)")
+    print(f"{args.model}, -n {args.n_predict}, {args.threads} threads, draft clock {args.draft_clock}, p-min "
+          f"{args.draft_p_min}: modeled speed-up over plain decoding (steps; draft tokens accepted / drafted)")
     for set_name in set_names:
         prompts = [render_tokens(p, engine.tokenizer) for p in load_prompt_set(set_name).prompts]
         outputs = greedy_outputs(plain, prompts, args.n_predict)
@@ -232,7 +233,7 @@ def main() -> None:
             cells = []
             for n in lengths:
                 bound, adaptive = draft_bound(n)
-                spec = SpecParams(types=chain, draft_max=bound, adaptive=adaptive)
+                spec = SpecParams(types=chain, draft_max=bound, adaptive=adaptive, draft_p_min=args.draft_p_min)
                 r = replay(Session(virtual, spec), oracle, prompts, outputs, args.n_predict)
                 speed = (r.tokens / r.seconds) / (base.tokens / base.seconds)
                 cells.append(f"{speed:.3f} ({r.steps}; {r.accepted}/{r.drafted})")

@@ -742,7 +742,8 @@ CHAINS = ["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-ca
 def tiled_costs(monkeypatch):
     """A cost curve like the int4 CPU kernel's (4-row tiles) and no timing-driven learning, so plans depend only on
     acceptance and drafts get lengths between 0 and their full length. Counts the cuts. With `capped=False` the
-    drafters are not capped before drafting, so every shortening goes through the cut after drafting."""
+    drafters are neither capped nor gated (DraftGate) while drafting, so every shortening goes through the cut after
+    drafting."""
     monkeypatch.setattr(CostModel, "observe", lambda *a: None)
     monkeypatch.setattr(DraftCost, "observe", lambda *a: None)
     cuts = []
@@ -758,6 +759,7 @@ def tiled_costs(monkeypatch):
         session.engine.costs.set_points({1: 1.0, 4: 1.05, 5: 1.6, 8: 1.7, 9: 2.3, 16: 2.5, 64: 16.0})
         if not capped:
             monkeypatch.setattr(Planner, "drafting_caps", lambda self, names, n_seq, free=frozenset(): {})
+            monkeypatch.setattr(Planner, "gate", lambda self, name, n_seq: None)
         return cuts
 
     return install
@@ -895,7 +897,8 @@ def test_the_first_token_a_cut_removed_is_scored_against_the_targets_token(tiny_
     Checked against the committed output, lossless."""
     events = []
     monkeypatch.setattr(Planner, "drafting_caps", lambda self, names, n_seq, free=frozenset(): {})  # whole drafts
-    monkeypatch.setattr(Planner, "plan", lambda self, drafts, drafting_s: [min(n, 1) for _, n in drafts])
+    monkeypatch.setattr(Planner, "gate", lambda self, name, n_seq: None)
+    monkeypatch.setattr(Planner, "plan", lambda self, drafts, drafting_s, conf=None: [min(n, 1) for _, n in drafts])
     cut, observe = Chain.cut, Planner.observe_accept
 
     def cutting(self, p, n):
@@ -905,7 +908,7 @@ def test_the_first_token_a_cut_removed_is_scored_against_the_targets_token(tiny_
 
     monkeypatch.setattr(Chain, "cut", cutting)
     monkeypatch.setattr(Planner, "observe_accept",
-                        lambda self, name, n, a: (events.append((n, a)), observe(self, name, n, a))[1])
+                        lambda self, name, n, a, conf=(): (events.append((n, a)), observe(self, name, n, a, conf))[1])
     session = make_session(tiny_model_path, chain, draft=tiny_close_draft_path, draft_max=AUTO_DRAFT_MAX, adaptive=True,
                            draft_min=draft_min)
     scored = 0

@@ -119,7 +119,8 @@ class Generator:
         self.draft_max = draft_max
         self.verify = verify
         self.planner = planner if chain is not None else None
-        self.cut_heads: dict[int, tuple[str, int, bool]] = {}  # seq -> (winner, first token cut off, had probs)
+        # seq -> (winner, first token cut off, had probs, the confidences of the draft up to it)
+        self.cut_heads: dict[int, tuple[str, int, bool, list[float]]] = {}
         self.active: dict[int, Sequence] = {}
         self.prompts: dict[int, Prompt] = {}  # admitted prompts on their way into the KV cache, oldest first
         self.timings = Timings()
@@ -211,7 +212,7 @@ class Generator:
             self.target.seq_rm(s.seq, s.n_past + len(ids))  # keep id_last + accepted drafts
             if self.chain and p is not None:
                 if self.planner is not None:
-                    self._observe_acceptance(s, len(draft), ids)
+                    self._observe_acceptance(s, len(draft), ids, p.confidence)
                 self.chain.accept(s.seq, len(draft), n_acc)
             s.n_steps += 1
             s.n_drafted += len(draft)
@@ -318,15 +319,16 @@ class Generator:
         cost)."""
         winners = [self.chain.winner(s.seq) for s in seqs]
         lengths = [len(params[s.seq].result) if s.seq in params else 0 for s in seqs]
-        for s, w, n, k in zip(seqs, winners, lengths, self.planner.plan(list(zip(winners, lengths)),
-                                                                       sum(spent.values()))):
+        confidences = [params[s.seq].confidence if s.seq in params else [] for s in seqs]
+        plan = self.planner.plan(list(zip(winners, lengths)), sum(spent.values()), confidences)
+        for s, w, n, k in zip(seqs, winners, lengths, plan):
             if k < n:
                 p = params[s.seq]
-                draft, had_probs = list(p.result), p.probs is not None
+                draft, confidence, had_probs = list(p.result), list(p.confidence), p.probs is not None
                 self.chain.cut(p, k)  # to k tokens, or to none below the drafter's minimum
-                self.cut_heads[s.seq] = (w, draft[len(p.result)], had_probs)
+                self.cut_heads[s.seq] = (w, draft[len(p.result)], had_probs, confidence[: len(p.result) + 1])
 
-    def _observe_acceptance(self, s: Sequence, n_verified: int, ids: list[int]) -> None:
+    def _observe_acceptance(self, s: Sequence, n_verified: int, ids: list[int], confidence: list[float]) -> None:
         """Tell the planner how this step's drafts for `s` fared. Where verification is by match, a draft token
         is accepted exactly when it equals the token the target commits at its position, so drafts are also
         scored against the committed tokens `ids` where they were not verified: the first token the plan cut
@@ -338,10 +340,10 @@ class Generator:
         head = self.cut_heads.pop(s.seq, None)
         winner = self.chain.winner(s.seq)
         if head is not None and n_acc == n_verified and self._matched(s, head[2]):
-            name, token, _ = head
-            self.planner.observe_accept(name, n_verified + 1, n_acc + (token == ids[-1]))
+            name, token, _, head_confidence = head
+            self.planner.observe_accept(name, n_verified + 1, n_acc + (token == ids[-1]), head_confidence)
         elif winner is not None:
-            self.planner.observe_accept(winner, n_verified, n_acc)
+            self.planner.observe_accept(winner, n_verified, n_acc, confidence)
         if self._matched(s, False):
             for name, draft in self.chain.shadows.get(s.seq, ()):
                 n = min(len(draft), len(ids))

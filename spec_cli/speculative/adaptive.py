@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 
 from spec_cli.options import DRAFT_MAX
+from spec_cli.speculative.confidence import ConfidenceModel, DraftGate, confidence_bin
 from spec_cli.speculative.verify_costs import COST_EMA, CostModel
 
 # Upper bound of an adaptive draft (unless the drafter's own cap is lower, e.g. draft-mtp's 3): the default fixed
@@ -216,6 +217,8 @@ class Planner:
         self.long_run_reach: dict[str, list[float]] = {}  # the same, with a longer memory
         self.pooled = AcceptanceModel(n_max, POOLED_DECAY)  # the same, with a memory across requests
         self.pooled_reach: dict[str, list[list[float]]] = {}  # per position: [asks that reached it, asks], decayed
+        self.confidence = ConfidenceModel()  # a token-by-token model drafter's acceptance per confidence
+        self.ask_rates: dict[str, float] = {}  # per model drafter, this step's planned rate (`drafting_caps`)
         self.step = 0
         self.request_step = -1  # the first step of the newest request
         self.next_probe: dict[str, int] = {}
@@ -253,7 +256,7 @@ class Planner:
             if name not in self.next_probe:
                 self.next_probe[name] = self.step + FIRST_PROBE_AFTER
                 self.unasked.add(name)
-            k = self._uniform_length(name, n_seq)
+            k, self.ask_rates[name] = self._uniform_plan(name, n_seq)  # the rate: the gate's this step (`gate`)
             if self.step == self.request_step:  # its cache holds the prompt `begin` mirrored: no restart to pay
                 k = (k or self._start_over_length(name, n_seq, "long_run")
                      or self._start_over_length(name, n_seq, "pooled"))
@@ -320,14 +323,17 @@ class Planner:
             self.shadowing.add(name)
         return 0
 
-    def plan(self, drafts: list[tuple[str | None, int]], drafting_s: float) -> list[int]:
+    def plan(self, drafts: list[tuple[str | None, int]], drafting_s: float,
+             confidences: list[list[float]] | None = None) -> list[int]:
         """Per sequence of the step (winning drafter or None, draft length): the tokens to verify, each <= its
-        draft, the drafting (`drafting_s`) being spent already. Greedy path: from no drafts, add one token at a
-        time where it gives the best throughput until every draft is used up, and keep the best point of the path;
-        that ignores local dips of a stepped cost curve. For one sequence the path covers every length; for
-        several, the order by marginal gain is the optimal one for concave gains when the cost only depends on
-        the rows."""
-        gains = [self.acceptance.gains(name)[:n] if name else [] for name, n in drafts]
+        draft, the drafting (`drafting_s`) being spent already. A draft with its tokens' `confidences` (a model
+        drafter's) is valued by their calibrated acceptance, the others by the drafter's per position. Greedy
+        path: from no drafts, add one token at a time where it gives the best throughput until every draft is
+        used up, and keep the best point of the path; that ignores local dips of a stepped cost curve. For one
+        sequence the path covers every length; for several, the order by marginal gain is the optimal one for
+        concave gains when the cost only depends on the rows."""
+        confidences = confidences or [[] for _ in drafts]
+        gains = [self._draft_gains(name, n, conf) for (name, n), conf in zip(drafts, confidences)]
         n_seq = len(drafts)
         lengths = [0] * n_seq
         expected, longest, total = float(n_seq), 0, 0
@@ -350,6 +356,29 @@ class Planner:
                 best, best_lengths = pick_rate, list(lengths)
         return self._with_probes(drafts, best_lengths)
 
+    def _draft_gains(self, name: str | None, n: int, confidence: list[float]) -> list[float]:
+        """g_1..g_n of a draft of n tokens: by the calibrated acceptance of its tokens' confidences where it has
+        them, else by the drafter's acceptance per position."""
+        if not name:
+            return []
+        if len(confidence) < n:
+            return self.acceptance.gains(name)[:n]
+        rates, out, g = self.confidence.rates(name), [], 1.0
+        for p in confidence[:n]:
+            g *= rates[confidence_bin(p)]
+            out.append(g)
+        return out
+
+    def gate(self, name: str, n_seq: int) -> DraftGate:
+        """Where a token-by-token model drafter's drafts stop paying this step (confidence.DraftGate), in tokens at
+        the rate its asking is planned to run at (`_uniform_length`'s best, plain decoding's when it plans 0): a
+        token pays where its expected gain over that rate's time for its verify row (and the next draft forward)
+        raises the step's rate."""
+        rate = self.ask_rates.get(name) or self._uniform_plan(name, n_seq)[1]
+        at = [self.costs(n_seq * j) for j in range(1, self.n_max + 2)]  # at[j - 1] = cost(n_seq j)
+        row = tuple(rate * (at[j] - at[j - 1]) / n_seq for j in range(1, self.n_max + 1))
+        return DraftGate(self.confidence.rates(name), row, self.confidence.mean(name), rate * self._draft_cost(name))
+
     def _draft_pays(self, name: str, n_seq: int) -> bool:
         """Whether a free drafter's draft, whenever it has one, pays for its verify rows at some length:
         E(k) / cost(n_seq (1 + k)) > 1 / cost(n_seq) per sequence. How seldom it drafts does not enter: an ask that
@@ -362,9 +391,13 @@ class Planner:
         return any(expected_tokens(gains, k) * plain > self.costs(n_seq * (1 + k)) for k in range(1, self.n_max + 1))
 
     def _uniform_length(self, name: str, n_seq: int, memory: str = "recent") -> int:
-        """argmax_k of the tokens per second if every sequence asked drafter `name`, whose asking costs time, for k
-        tokens, where its draft reaches position j with probability r_j (`reach`: a draft model stops below
-        --draft-p-min, and then gives none, but its seed row was paid for):
+        return self._uniform_plan(name, n_seq, memory)[0]
+
+    def _uniform_plan(self, name: str, n_seq: int, memory: str = "recent") -> tuple[int, float]:
+        """(k, its rate; plain decoding's where k is 0): argmax_k of the tokens per second if every sequence asked
+        drafter `name`, whose asking costs time, for k tokens, where its draft reaches position j with probability
+        r_j (`reach`: a draft model stops below --draft-p-min or its gate, and then gives none, but its seed row was
+        paid for):
             (1 + sum_{j<=k} r_j g_j) / (verify(k) / n_seq + ask(k)),
             verify(k) = cost(n_seq) + sum_{j<=k} r_j (cost(n_seq (1 + j)) - cost(n_seq j)),
         0 unless that beats plain decoding by ASK_MARGIN. ask(k), the drafting time per sequence, is f times the
@@ -390,7 +423,7 @@ class Planner:
             rate = expected / (verify / n_seq + asking)
             if rate > best:
                 best_k, best = k, rate
-        return best_k
+        return best_k, best if best_k else n_seq / plain
 
     def _reach(self, observed_reach: list[float] | None) -> list[float]:
         """r_1..r_n_max, never growing with j; a position no cap has allowed yet takes the one before's."""
@@ -477,7 +510,11 @@ class Planner:
         """A request begins: the next step is its first."""
         self.request_step = self.step + 1
 
-    def observe_accept(self, name: str, n_drafted: int, n_accepted: int) -> None:
+    def observe_accept(self, name: str, n_drafted: int, n_accepted: int, confidence: list[float] = ()) -> None:
+        """The target judged n_drafted tokens of `name`'s draft (with their confidences, a model drafter's) and
+        accepted the first n_accepted."""
+        if len(confidence) >= n_drafted:
+            self.confidence.observe(name, list(confidence[:n_drafted]), n_accepted)
         self.acceptance.observe(name, n_drafted, n_accepted)
         self.long_run.observe(name, n_drafted, n_accepted)
         self.pooled.observe(name, n_drafted, n_accepted)

@@ -41,6 +41,7 @@ from spec_cli.errors import SpecCliError
 from spec_cli.model.batch import Batch
 from spec_cli.model.state_arrays import State, ints, scalar, token_ids
 from spec_cli.options import DRAFT_MAX, default
+from spec_cli.speculative.confidence import DraftGate
 
 
 class StateUnsupported(SpecCliError):
@@ -103,10 +104,40 @@ class DraftParams:
     #                       sample from their own filtered distribution and return it in `probs` (else greedy)
     crossed: tuple[int, int] | None = None  # a draft model with another vocabulary: (its draft tokens that had a
     #                                         counterpart in the target's, those that did not and ended the draft)
+    confidence: list[float] = field(default_factory=list)  # a token-by-token model drafter's: per token of result,
+    #                                                        its top-1 probability (speculative/confidence.py)
+    gate: DraftGate | None = None  # --draft-max auto: where a token-by-token model drafter's draft stops paying
 
     def min_length(self, params: SpecParams) -> int:
         """Shortest draft a model drafter may hand in (this request's n_min, else --draft-min): shorter is dropped."""
         return self.n_min if self.n_min is not None else params.draft_min
+
+    def keeps(self, p_top: float, p_min: float) -> bool:
+        """Whether a token-by-token model drafter keeps its next token, whose top-1 probability is p_top: not below
+        p_min, and under a gate where it pays for its verify row."""
+        return p_top >= p_min and (self.gate is None or self.gate.keeps(len(self.result) + 1, self._gain(p_top)))
+
+    def add(self, token: int, p_top: float) -> None:
+        self.result.append(token)
+        self.confidence.append(p_top)
+
+    def goes_on(self, cap: int) -> bool:
+        """After a kept token: whether to draft another, below `cap` and where the gate says it pays."""
+        n = len(self.result)
+        return n < cap and (self.gate is None or self.gate.goes_on(n, self._gain()))
+
+    def _gain(self, p_next: float | None = None) -> float:
+        gain = 1.0
+        for p in self.confidence if p_next is None else (*self.confidence, p_next):
+            gain = self.gate.gain(gain, p)
+        return gain
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n tokens of the draft (with their confidences and distributions)."""
+        del self.result[n:]
+        del self.confidence[n:]
+        if self.probs is not None:
+            self.probs = self.probs[:n] if n else None
 
 
 class Drafter:

@@ -93,7 +93,8 @@ class Chain:
             if not asking or cap == 0:
                 continue
             if self.select == "gain" and d.cheap:
-                own = [replace(p, result=[], probs=None) for p in asking]  # a proposal apart from the others'
+                # a proposal apart from the others'
+                own = [replace(p, result=[], probs=None, confidence=[]) for p in asking]
                 spent[d.name] = self._ask(d, own, cap)
                 for p, mine in zip(asking, own):
                     if mine.result:
@@ -114,7 +115,7 @@ class Chain:
 
     def _shadow(self, d: Drafter, params: list[DraftParams]) -> float:
         """Ask cheap drafter d for drafts that no sequence verifies; returns its drafting seconds."""
-        own = [replace(p, result=[], probs=None, drafting=True) for p in params]
+        own = [replace(p, result=[], probs=None, confidence=[], drafting=True) for p in params]
         seconds = self._ask(d, own, None)
         for p, mine in zip(params, own):
             if mine.result:
@@ -123,6 +124,10 @@ class Chain:
 
     def _ask(self, d: Drafter, asking: list[DraftParams], cap: int | None) -> float:
         """One draft call of d for `asking` (each p.n_max lowered to cap); returns its drafting seconds."""
+        if self.planner is not None and not d.cheap and not d.per_call:
+            gate = self.planner.gate(d.name, len(asking))  # where its tokens stop paying (a model drafter's)
+            for p in asking:
+                p.gate = gate
         with _capped(asking, cap):
             t_catch_up = time.perf_counter()
             d.catch_up(asking)  # a lagging cache is the drafter's time, but not the price of its tokens
@@ -130,10 +135,7 @@ class Chain:
             d.draft(asking)
             t1 = time.perf_counter()
             for p in asking:
-                if len(p.result) > p.n_max:
-                    del p.result[p.n_max:]
-                    if p.probs is not None:
-                        p.probs = p.probs[: p.n_max]
+                p.truncate(p.n_max)
                 if not p.result:
                     p.probs = None
             lengths = [(len(p.result), p.n_max) for p in asking]
@@ -159,7 +161,7 @@ class Chain:
             if not ranked:
                 continue
             d, best = max(ranked, key=lambda c: expected_tokens(self.acceptance.gains(c[0].name), len(c[1].result)))
-            p.result, p.probs = best.result, best.probs
+            p.result, p.probs, p.confidence = best.result, best.probs, best.confidence
             self._settle(d, p)
 
     def _settle(self, d: Drafter, p: DraftParams) -> None:
@@ -182,9 +184,7 @@ class Chain:
             return
         if n < winner.min_length(p):
             n = 0
-        del p.result[n:]
-        if p.probs is not None:
-            p.probs = p.probs[:n] if n else None
+        p.truncate(n)
         winner.shorten(p.seq, n)
         if n == 0:
             self.last[p.seq] = None

@@ -146,14 +146,14 @@ class DraftModelDrafter(Drafter):
                 row = rows[seq]
                 token = ids[row]
                 p_min = p.p_min if p.p_min is not None else self.params.draft_p_min
-                if p_top[row] < p_min or not self._crosses(p, token):
+                if not p.keeps(p_top[row], p_min) or not self._crosses(p, token):
                     del active[seq]
                     continue
                 if p.sampling is not None:
                     token, q = self._sample(seq, logits[row], p.sampling)
                     q_rows[seq].append(q)
-                p.result.append(token if self.bridge is None else int(self.bridge.to_target[token]))
-                if len(p.result) >= min(p.n_max, self.params.draft_max):
+                p.add(token if self.bridge is None else int(self.bridge.to_target[token]), p_top[row])
+                if not p.goes_on(min(p.n_max, self.params.draft_max)):
                     del active[seq]
                     continue
                 step.add(token, len(self.cached[seq]), seq, True)  # the draft position after the decoded rows
@@ -163,7 +163,7 @@ class DraftModelDrafter(Drafter):
             rows = {seq: i for i, seq in enumerate(step.seq_ids)}
         for p in params:
             if len(p.result) < p.min_length(self.params):
-                p.result.clear()
+                p.truncate(0)
             elif p.sampling is not None and p.result:
                 p.probs = torch.stack(q_rows[p.seq])  # [len(result), n_vocab] (the target's through a bridge)
 

@@ -234,7 +234,7 @@ class HeadDrafter(Drafter):
             batch = self._next_rows(batch, logits, hidden, active, q_rows)
         for p in params:
             if len(p.result) < p.min_length(self.params):
-                p.result.clear()
+                p.truncate(0)
             elif q_rows.get(p.seq) and p.result:
                 p.probs = torch.stack(q_rows[p.seq])  # [len(result), n_vocab]
 
@@ -254,7 +254,7 @@ class HeadDrafter(Drafter):
             seq, pos = batch.seq_ids[i], batch.pos[i]
             p = active[seq]
             p_min = p.p_min if p.p_min is not None else self.p_min
-            if p_top[k] < p_min:
+            if not p.keeps(p_top[k], p_min):
                 del active[seq]
                 continue
             if self.samples and p.sampling is not None:
@@ -263,8 +263,8 @@ class HeadDrafter(Drafter):
                 ids[k], q = sample_restricted(logits[k], vocab, self.target.config.n_vocab, p.sampling,
                                               self.rng[seq])
                 q_rows[seq].append(q)
-            p.result.append(ids[k])
-            if len(p.result) >= min(p.n_max, self.n_max):
+            p.add(ids[k], p_top[k])
+            if not p.goes_on(min(p.n_max, self.n_max)):
                 del active[seq]
                 continue
             fed_seqs.append(seq)
