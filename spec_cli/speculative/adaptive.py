@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 
 from spec_cli.options import DRAFT_MAX
-from spec_cli.speculative.confidence import ConfidenceModel, DraftGate, confidence_bin
+from spec_cli.speculative.confidence import ConfidenceModel, DraftGate, calibrated_gains
 from spec_cli.speculative.verify_costs import COST_EMA, CostModel
 
 # Upper bound of an adaptive draft (unless the drafter's own cap is lower, e.g. draft-mtp's 3): the default fixed
@@ -363,11 +363,7 @@ class Planner:
             return []
         if len(confidence) < n:
             return self.acceptance.gains(name)[:n]
-        rates, out, g = self.confidence.rates(name), [], 1.0
-        for p in confidence[:n]:
-            g *= rates[confidence_bin(p)]
-            out.append(g)
-        return out
+        return calibrated_gains(self.confidence.rates(name), confidence[:n])
 
     def gate(self, name: str, n_seq: int) -> DraftGate:
         """Where a token-by-token model drafter's drafts stop paying this step (confidence.DraftGate), in tokens at

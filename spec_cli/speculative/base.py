@@ -41,7 +41,7 @@ from spec_cli.errors import SpecCliError
 from spec_cli.model.batch import Batch
 from spec_cli.model.state_arrays import State, ints, scalar, token_ids
 from spec_cli.options import DRAFT_MAX, default
-from spec_cli.speculative.confidence import DraftGate
+from spec_cli.speculative.confidence import DraftGate, calibrated_gains
 
 
 class StateUnsupported(SpecCliError):
@@ -127,10 +127,9 @@ class DraftParams:
         return n < cap and (self.gate is None or self.gate.goes_on(n, self._gain()))
 
     def _gain(self, p_next: float | None = None) -> float:
-        gain = 1.0
-        for p in self.confidence if p_next is None else (*self.confidence, p_next):
-            gain = self.gate.gain(gain, p)
-        return gain
+        """The expected tokens of the draft's last token (or of a next one of top-1 probability p_next)."""
+        confidences = self.confidence if p_next is None else (*self.confidence, p_next)
+        return calibrated_gains(self.gate.rates, confidences)[-1] if confidences else 1.0
 
     def truncate(self, n: int) -> None:
         """Keep the first n tokens of the draft (with their confidences and distributions)."""

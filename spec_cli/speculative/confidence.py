@@ -26,6 +26,15 @@ def confidence_bin(p: float) -> int:
     return bisect.bisect_right(CONFIDENCE_EDGES, p)
 
 
+def calibrated_gains(rates: tuple[float, ...], confidences) -> list[float]:
+    """g_1..g_n of draft tokens with these confidences: g_j = the product of the calibrated rates of tokens 1..j."""
+    out, g = [], 1.0
+    for p in confidences:
+        g *= rates[confidence_bin(p)]
+        out.append(g)
+    return out
+
+
 def _bin_middles() -> tuple[float, ...]:
     edges = (0.0, *CONFIDENCE_EDGES, 1.0)
     return tuple((lo + hi) / 2 for lo, hi in zip(edges, edges[1:]))
@@ -76,10 +85,6 @@ class DraftGate:
     row: tuple[float, ...]
     ahead: float
     forward: float
-
-    def gain(self, gain_before: float, p: float) -> float:
-        """The expected tokens of a draft token with confidence p after tokens whose expected gain was gain_before."""
-        return gain_before * self.rates[confidence_bin(p)]
 
     def keeps(self, j: int, gain: float) -> bool:
         """Whether the j-th token, of expected gain `gain`, pays for its verify row."""
