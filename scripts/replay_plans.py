@@ -36,7 +36,7 @@ import torch
 from spec_cli.model.batch import Batch
 from spec_cli.model.context import DecodeOutput
 from spec_cli.model.sampling import SamplingParams
-from spec_cli.options import draft_bound, draft_max, spec_types
+from spec_cli.options import draft_bound, draft_max, draft_p_min, spec_types
 from spec_cli.runtime.engine import EngineOptions, build_engine
 from spec_cli.runtime.generate import generate
 from spec_cli.runtime.session import Session
@@ -197,7 +197,8 @@ def main() -> None:
     ap.add_argument("--draft-max", default="4,8,16,auto")
     ap.add_argument("--prompt-set", default="code-edit,writing,chat")
     ap.add_argument("-n", "--n-predict", type=int, default=64)
-    ap.add_argument("--draft-p-min", type=float, default=SpecParams.draft_p_min, help="a draft model's p-min")
+    ap.add_argument("--draft-p-min", type=draft_p_min, default=SpecParams.draft_p_min,
+                    help="a draft model's p-min: a probability or auto (spec-cli's --draft-p-min)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--draft-clock", choices=("real", "curve"), default="real",
                     help="a draft model's forwards at their real time, or at its cost curve's (timed at the start)")

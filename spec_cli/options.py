@@ -185,6 +185,33 @@ def draft_bound(value: int | str) -> tuple[int, bool]:
     return (DRAFT_MAX, True) if value == AUTO else (int(value), False)
 
 
+# llama.cpp's --draft-p-min: what `--draft-p-min auto` (the default) stops a draft below where no draft gate does
+# (a fixed --draft-max; DFlash and DSpark blocks). Under --draft-max auto a token-by-token model drafter's gate
+# (speculative/confidence.py) prices every token by its calibrated acceptance, and a floor of 0.75 on top threw away
+# tokens it would have kept: the 0.5b drafting for the 1.5b on chat ran at 1.16x of plain with the floor and 1.40x
+# without (docs/speculation.md, the draft gate).
+DRAFT_P_MIN = 0.75
+
+
+def draft_p_min(value: str | float) -> float | str:
+    """A --draft-p-min value: a probability in [0, 1] or `auto` (kept as the string, so bench rows read back)."""
+    word = str(value).strip().lower()
+    if word == AUTO:
+        return AUTO
+    try:
+        return float(word)
+    except ValueError:
+        raise Invalid("a probability in [0, 1] or auto") from None
+
+
+def p_min_floor(value: float | str, gated: bool) -> float:
+    """The top-1 probability a model drafter stops below, from a parsed --draft-p-min: `auto` is none where a draft
+    gate stops the draft (`gated`), else DRAFT_P_MIN."""
+    if value == AUTO:
+        return 0.0 if gated else DRAFT_P_MIN
+    return float(value)
+
+
 def device(value: str) -> str:
     """-dev / -devd: auto | cpu | cuda | cuda:N, and llama.cpp's none (= cpu); lower-cased."""
     word = str(value).strip().lower()
@@ -416,8 +443,9 @@ SPEC = ("Speculative decoding", [
         f"measured verify cost and each drafter's acceptance (at most {DRAFT_MAX})", parse=draft_max),
     Opt("draft_min", int, 0, ("--draft-min", "--draft-n-min", "--spec-draft-n-min"),
         "min draft tokens (else no draft)", ge=0),
-    Opt("draft_p_min", float, 0.75, ("--draft-p-min", "--spec-draft-p-min"),
-        "stop drafting below this probability", ge=0.0, le=1.0),
+    Opt("draft_p_min", str, AUTO, ("--draft-p-min", "--spec-draft-p-min"),
+        f"a draft model or head stops below this top-1 probability; auto: where its next token stops paying under "
+        f"--draft-max auto (its calibrated gate), else {shown(DRAFT_P_MIN)}", parse=draft_p_min, ge=0.0, le=1.0),
     Opt("draft_vocab", int, DRAFT_VOCAB, ("--draft-vocab", "--spec-draft-vocab"),
         "draft-simple drafts among the N tokens its vocabulary ranks most common plus every token of the requests "
         "(a small draft model's output matrix is much of its step); 0 = the whole vocabulary", ge=0),

@@ -37,8 +37,8 @@ PROMPTS = [
 def make_session(model, n_seq: int = 1, spec_types: str = "", draft=None, n_ctx_slot: int = N_CTX_SLOT,
                  draft_max: int = 6, n_ubatch: int = default("ubatch_size"), **spec_changes):
     """`spec_changes`: SpecParams fields besides SMALL_NGRAM's."""
-    spec = SpecParams(types=[t for t in spec_types.split(",") if t], draft_max=draft_max, draft_p_min=0.0,
-                      **{**SMALL_NGRAM, **spec_changes})
+    spec = SpecParams(types=[t for t in spec_types.split(",") if t], draft_max=draft_max,
+                      **{"draft_p_min": 0.0, **SMALL_NGRAM, **spec_changes})
     return open_session(EngineOptions(model=str(model), model_draft=str(draft) if draft else None,
                                       n_ctx=n_ctx_slot * n_seq, n_seq=n_seq, device="cpu", n_ubatch=n_ubatch,
                                       spec=spec))

@@ -118,6 +118,7 @@ def test_unknown_model_name(capsys, monkeypatch):
     (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
     (["--spec-type", "ngram-bogus"], "--spec-type must be drafter types from"),
     (["--draft-p-min", "2"], "--draft-p-min"),
+    (["--draft-p-min", "sometimes"], "--draft-p-min must be a probability in [0, 1] or auto"),
     (["--draft-vocab", "-1"], "--draft-vocab"),
     (["--spec-verify", "maybe"], "--spec-verify"),
     (["-c", "-5"], "-c"),

@@ -154,6 +154,12 @@ def test_suffix_settings_are_sweep_axes_of_chains_with_suffix_only():
                    ("suffix", 32, 0.3)]
 
 
+def test_p_min_sweeps_numbers_and_auto():
+    p = params({"spec_type": ["draft-simple"], "model_draft": ["small.gguf"], "draft_p_min": ["0.75,auto"],
+                "n_gen": ["8"]})
+    assert [i.test.draft_p_min for i in instances(p)][1:] == [0.75, "auto"]
+
+
 def test_synthetic_acceptance_adds_a_test_per_rate():
     p = params({"spec_type": ["ngram-mod"], "spec_accept": ["0.9,0.50/0.2", "0.9"], "draft_max": ["4,auto"],
                 "n_gen": ["8"]})

@@ -26,7 +26,7 @@ def row(test, n_prompt, n_gen, samples, n_depth=0, tokens=None, **engine):
 def spec_row(spec_type, draft_max, samples, speedup, **kw):
     r = row("spec", 300, 64, samples, tokens=120)
     r.spec = dict(prompt_set="code-edit", n_prompts=2, temp=0.0, spec_type=spec_type,
-                  model_draft=kw.get("model_draft", ""), draft_max=draft_max, draft_min=0, draft_p_min=0.75,
+                  model_draft=kw.get("model_draft", ""), draft_max=draft_max, draft_min=0, draft_p_min="auto",
                   spec_verify="auto", warm=False, n_drafted=kw.get("drafted", 0), n_accepted=kw.get("accepted", 0),
                   n_steps=40, acceptance=kw.get("acc", 0.0), mean_acc_len=kw.get("length", 0.0), tokens_per_step=3.0,
                   acc_per_pos=kw.get("pos", []), prompt_ns=1000, draft_ms=1.5, verify_ms=2.5, speedup=speedup)
@@ -115,7 +115,7 @@ def test_md_spec_table_adds_swept_drafting_columns():
     assert cols[cols.index("spec_type") + 1: cols.index("draft_max")] == ["model_draft", "draft_p_min"]
     cells = [[x.strip() for x in line.split("|")[1:-1]] for line in format_md(dicts(a, b, c)).splitlines()[2:5]]
     assert [r[cols.index("model_draft")] for r in cells] == ["-", "small.gguf", "small.gguf"]
-    assert [r[cols.index("draft_p_min")] for r in cells] == ["-", "0.75", "0.5"]
+    assert [r[cols.index("draft_p_min")] for r in cells] == ["-", "auto", "0.5"]
 
 
 def test_csv_quotes_every_value():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from spec_cli.options import DRAFT_P_MIN
 from spec_cli.speculative.adaptive import AUTO_DRAFT_MAX, Planner
 from spec_cli.speculative.base import DraftParams
 from spec_cli.speculative.confidence import BIN_MIDDLES, ConfidenceModel, DraftGate, confidence_bin
@@ -13,6 +14,7 @@ from spec_cli.speculative.verify_costs import CostModel
 
 N = AUTO_DRAFT_MAX
 from tests.draft_recorder import record_drafts
+from tests.server_harness import make_session
 from tests.test_adaptive import auto_session, planner_with
 from tests.test_generate import assert_greedy_equals_plain, plain_outputs  # noqa: F401 (plain_outputs: fixture)
 
@@ -105,3 +107,36 @@ def test_the_planner_learns_the_confidence_of_the_drafts_it_verifies(tiny_model_
     assert_greedy_equals_plain(session, plain_outputs)
     counts = session.chain.planner.confidence.counts["draft-simple"]
     assert sum(trials for _, trials, _ in counts) > 0
+
+
+def test_p_min_auto_is_the_gate_where_there_is_one_and_llama_cpps_floor_where_not():
+    gate = DraftGate(rates=BIN_MIDDLES, row=(0.0,) * N, ahead=1.0, forward=0.0)
+    assert DraftParams(0, N, 0, 0, [], gate=gate).p_floor("auto") == 0.0  # --draft-max auto
+    assert DraftParams(0, N, 0, 0, []).p_floor("auto") == DRAFT_P_MIN  # a fixed --draft-max
+    assert DraftParams(0, N, 0, 0, [], gate=gate).p_floor(0.75) == 0.75  # given: a floor under the gate too
+    assert DraftParams(0, N, 0, 0, [], gate=gate, p_min=0.5).p_floor("auto") == 0.5  # a request's own
+
+
+@pytest.mark.parametrize("p_min", ["auto", 0.75])
+def test_a_draft_model_under_auto_drafts_below_0_75_where_its_gate_keeps_the_tokens(
+        tiny_model_path, tiny_close_draft_path, plain_outputs, monkeypatch, p_min):  # noqa: F811
+    """--draft-p-min auto (the default) with --draft-max auto: the draft model keeps tokens of top-1 probability
+    below llama.cpp's 0.75 where its gate keeps them (here a gate that keeps every token); a p-min given stays a
+    floor. Greedy output is plain decoding's either way."""
+    keep_all = DraftGate(rates=(1.0,) * len(BIN_MIDDLES), row=(0.0,) * N, ahead=1.0, forward=0.0)
+    monkeypatch.setattr(Planner, "gate", lambda self, name, n_seq: keep_all)
+    session = make_session(tiny_model_path, 1, "draft-simple", draft=tiny_close_draft_path, draft_max=N,
+                           adaptive=True, draft_p_min=p_min)
+    drafter, confidences = session.chain.drafters[-1], []
+    inner = drafter.draft
+
+    def draft(params):
+        inner(params)
+        confidences.extend(c for p in params for c in p.confidence)
+
+    drafter.draft = draft
+    assert_greedy_equals_plain(session, plain_outputs)
+    if p_min == "auto":
+        assert confidences and min(confidences) < DRAFT_P_MIN
+    else:
+        assert confidences and min(confidences) >= 0.75

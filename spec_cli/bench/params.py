@@ -26,7 +26,7 @@ from pathlib import Path
 from spec_cli.bench import DRAFT_MODEL_FIELDS, NGRAM_FIELDS, SWEPT_CASE_FIELDS
 from spec_cli.errors import UsageError
 from spec_cli.model.catalog import registry_entry
-from spec_cli.options import BENCH_OPTIONS, DEFAULT_GPU_LAYERS
+from spec_cli.options import AUTO, BENCH_OPTIONS, DEFAULT_GPU_LAYERS
 from spec_cli.runtime.draft_files import HEAD_FILE_TYPES, draft_kind
 from spec_cli.speculative.synthetic import NAME as SYNTHETIC
 
@@ -134,7 +134,7 @@ class Test:
     draft_vocab: int = BENCH_OPTIONS["draft_vocab"].default
     draft_max: int | str = 0  # or "auto"
     draft_min: int = 0
-    draft_p_min: float = 0.0
+    draft_p_min: float | str = AUTO
     spec_verify: str = BENCH_OPTIONS["spec_verify"].default
     spec_select: str = BENCH_OPTIONS["spec_select"].default
     spec_mtp_rollback: str = BENCH_OPTIONS["spec_mtp_rollback"].default

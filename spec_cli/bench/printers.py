@@ -161,7 +161,7 @@ def _text(field: str, value) -> str:
         return "/".join(f"{v:.6f}" for v in value)
     if isinstance(value, bool):
         return str(int(value))
-    if field in FLOAT_FIELDS:
+    if field in FLOAT_FIELDS and not isinstance(value, str):  # draft_p_min may be auto
         return f"{value:.6f}"
     return str(value)
 

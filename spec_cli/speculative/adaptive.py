@@ -131,8 +131,12 @@ class AcceptanceModel:
         self._gains.pop(name, None)
 
     def adopt(self, name: str, other: AcceptanceModel) -> None:
-        """Take `other`'s estimates for `name` (its rates, the same), weighed as this model's memory weighs them:
-        hits, trials and prior weights scaled by the ratio of the memories (1 / (1 - decay) observations)."""
+        """Take `other`'s estimates for `name` (its rates, the same), their hits, trials and prior weights scaled
+        by (1 - self.decay) / (1 - other.decay): a shorter memory taking a longer one's counts weighs them up (x10
+        for the ~10-ask estimates taking the ~100-ask ones), so what many asks saw is not undone by the next few.
+        Scaled down instead, to the weight this memory's own observations have, a drafter brought back at a
+        request's first step was dropped again at the answer's first uncertain tokens (replayed, the 0.5b with
+        smollm2 drafting on chat: 1.171 -> 1.158x of plain; elsewhere within 0.6 %)."""
         scale = (1 - self.decay) / (1 - other.decay)
         self.counts[name] = [[x * scale for x in c] for c in other.counts.get(name) or other._unseen()]
         self._gains.pop(name, None)

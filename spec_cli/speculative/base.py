@@ -40,7 +40,7 @@ import torch
 from spec_cli.errors import SpecCliError
 from spec_cli.model.batch import Batch
 from spec_cli.model.state_arrays import State, ints, scalar, token_ids
-from spec_cli.options import DRAFT_MAX, default
+from spec_cli.options import DRAFT_MAX, default, p_min_floor
 from spec_cli.speculative.confidence import DraftGate, calibrated_gains
 
 
@@ -61,7 +61,7 @@ class SpecParams:
     draft_max: int = DRAFT_MAX  # with `adaptive`, the upper bound of a draft (options.draft_bound)
     adaptive: bool = False  # --draft-max auto: each step's draft length is planned (speculative/adaptive.py)
     draft_min: int = default("draft_min")
-    draft_p_min: float = default("draft_p_min")
+    draft_p_min: float | str = default("draft_p_min")  # or auto (options.p_min_floor)
     draft_vocab: int = default("draft_vocab")  # draft-simple's output rows (speculative/draft_vocab.py); 0 = all
     verify: str = default("spec_verify")  # auto | match | rejection
     select: str = default("spec_select")  # priority | gain: how the chain picks a draft (speculative/chain.py)
@@ -111,6 +111,11 @@ class DraftParams:
     def min_length(self, params: SpecParams) -> int:
         """Shortest draft a model drafter may hand in (this request's n_min, else --draft-min): shorter is dropped."""
         return self.n_min if self.n_min is not None else params.draft_min
+
+    def p_floor(self, given: float | str) -> float:
+        """The top-1 probability this draft stops below: the request's p_min, else `given` (--draft-p-min, or a
+        drafter's own default), `auto` resolved by whether a gate stops it (options.p_min_floor)."""
+        return p_min_floor(self.p_min if self.p_min is not None else given, self.gate is not None)
 
     def keeps(self, p_top: float, p_min: float) -> bool:
         """Whether a token-by-token model drafter keeps its next token, whose top-1 probability is p_top: not below

@@ -162,7 +162,7 @@ class DFlashDrafter(Drafter):
         p_top = torch.softmax(top.values, dim=-1)[:, 0].tolist()
         best = top.indices[:, 0]
         ids = (best if vocab is None else vocab[best]).tolist()
-        p_min = stop_below if stop_below is not None else p.p_min if p.p_min is not None else self.params.draft_p_min
+        p_min = stop_below if stop_below is not None else p.p_floor(self.params.draft_p_min)
         q_rows = []
         for i, token in enumerate(ids):
             if p_top[i] < p_min:

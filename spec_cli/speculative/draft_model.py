@@ -145,8 +145,7 @@ class DraftModelDrafter(Drafter):
             for seq, p in list(active.items()):
                 row = rows[seq]
                 token = ids[row]
-                p_min = p.p_min if p.p_min is not None else self.params.draft_p_min
-                if not p.keeps(p_top[row], p_min) or not self._crosses(p, token):
+                if not p.keeps(p_top[row], p.p_floor(self.params.draft_p_min)) or not self._crosses(p, token):
                     del active[seq]
                     continue
                 if p.sampling is not None:

@@ -16,6 +16,7 @@ import torch
 from spec_cli.errors import UsageError
 from spec_cli.model.context import Context
 from spec_cli.model.dflash_head import DFlashContext
+from spec_cli.options import p_min_floor
 from spec_cli.speculative.base import DraftParams, SpecParams
 from spec_cli.speculative.dflash import DFlashDrafter
 
@@ -27,7 +28,7 @@ class DSparkDrafter(DFlashDrafter):
         markov = ctx.head.markov
         if markov is None:
             raise UsageError("--spec-type draft-dspark needs a DSpark draft (a dflash file with markov_w1.weight)")
-        if markov.conf is None and params.draft_p_min > 0:
+        if markov.conf is None and p_min_floor(params.draft_p_min, gated=False) > 0:
             raise UsageError("this DSpark draft has no confidence head: --draft-p-min must be 0 with it")
         self.first_row = 0 if markov.anchor_first else 1
         super().__init__(ctx, target, params, n_seq)
@@ -48,7 +49,7 @@ class DSparkDrafter(DFlashDrafter):
             start += n + self.first_row
             normed = self.head.out_norm(hidden[list(rows)]) if markov.conf is not None else None
             biased, conf = markov.chain(logits[row : row + n], normed, p.id_last, self.head.draft_vocab)
-            p_min = p.p_min if p.p_min is not None else self.params.draft_p_min
+            p_min = p.p_floor(self.params.draft_p_min)
             if conf is not None and p_min > 0:
                 below = (conf < p_min).nonzero()
                 biased = biased[: int(below[0]) if below.numel() else n]

@@ -79,7 +79,8 @@ class HeadDrafter(Drafter):
     lead = 0  # target position of the first head row (module docstring)
     samples = False  # draws sampled drafts (returns q) where verification is by rejection
 
-    def __init__(self, ctx: HeadContext, target: Context, params: SpecParams, n_seq: int, n_max: int, p_min: float):
+    def __init__(self, ctx: HeadContext, target: Context, params: SpecParams, n_seq: int, n_max: int,
+                 p_min: float | str):
         check_own_context(self.name, "head", ctx, target, n_seq)
         ctx.clear()  # a fresh drafter: no head row is final yet (n_done)
         self.ctx, self.target, self.params = ctx, target, params
@@ -253,8 +254,7 @@ class HeadDrafter(Drafter):
         for k, i in enumerate(flagged):
             seq, pos = batch.seq_ids[i], batch.pos[i]
             p = active[seq]
-            p_min = p.p_min if p.p_min is not None else self.p_min
-            if not p.keeps(p_top[k], p_min):
+            if not p.keeps(p_top[k], p.p_floor(self.p_min)):
                 del active[seq]
                 continue
             if self.samples and p.sampling is not None:
