@@ -25,6 +25,7 @@ from spec_cli.speculative import adaptive, verify_costs
 from spec_cli.speculative.adaptive import (
     AUTO_DRAFT_MAX,
     FIRST_PROBE_AFTER,
+    GATED_EXTRA,
     JUDGED_DRAFTS,
     JUDGED_PROBES,
     PROBE_BUDGET,
@@ -370,7 +371,8 @@ def test_a_model_drafter_is_probed_until_the_target_has_judged_its_drafts():
 
 def test_a_model_drafter_is_asked_only_clear_of_break_even():
     """Asking a draft model costs its forwards: planned at 1.02x of plain it is not asked (estimates move by more
-    than that from step to step); at 1.1x it is, and a free drafter with the same numbers is asked at 1.02x."""
+    than that from step to step); at 1.1x it is (for its planned token and GATED_EXTRA more, which its gate stops
+    where they do not pay), and a free drafter with the same numbers is asked at 1.02x."""
     costs = CostModel()
     costs.set_points({1: 1.0, 2: 1.2, 3: 2.2, 64: 63.2})
 
@@ -382,7 +384,7 @@ def test_a_model_drafter_is_asked_only_clear_of_break_even():
 
     # one draft token: 1.5 expected tokens per 1.2 + its price, against 1 per 1.0
     assert cap(0.27, free=False) == 0  # 1.02x
-    assert cap(0.16, free=False) == 1  # 1.10x
+    assert cap(0.16, free=False) == 1 + GATED_EXTRA  # 1.10x
     assert cap(0.27, free=True) == AUTO_DRAFT_MAX  # asked for its whole draft, which `plan` cuts
 
 
@@ -392,7 +394,7 @@ def test_draft_cost_caps_drafting_but_a_paid_draft_is_verified():
     planner.observe_drafting("x", 9.0, [(1, 1)])  # the first call (one-time costs) is not priced
     assert planner.drafting_caps(["x"], 1) == {"x": AUTO_DRAFT_MAX}
     planner.observe_drafting("x", 0.5, [(1, 1)])
-    assert planner.drafting_caps(["x"], 1) == {"x": 3}
+    assert planner.drafting_caps(["x"], 1) == {"x": 3 + GATED_EXTRA}  # what its gate may still stop
     assert planner.plan([("x", 8)], 4.0) == [8]  # drafting is spent: verifying all 8 costs nothing more
 
 
@@ -418,12 +420,25 @@ def test_a_stepped_cost_curve_does_not_stop_the_plan_early():
     assert planner.plan([("x", 16)], 0.0) == [7]  # 8 rows
 
 
+def test_a_model_drafter_may_draft_a_token_past_its_planned_length_a_block_drafter_not():
+    """A position past the cap would never be drafted, so never judged again: a token-by-token model drafter's cap
+    is one past its planned length (its gate stops it where it does not pay); a block drafter's is its plan."""
+    for per_call in (False, True):
+        planner = planner_with(flat(), {"x": 0.9})
+        planner.per_call = frozenset({"x"}) if per_call else frozenset()
+        planner.observe_drafting("x", 9.0, [(1, 1)])  # the first call is not priced
+        planner.observe_drafting("x", 0.5, [(3, 3)] if per_call else [(1, 1)])
+        planned = planner._uniform_length("x", 1)
+        assert 0 < planned and (per_call or planned < AUTO_DRAFT_MAX)
+        assert planner.drafting_caps(["x"], 1)["x"] == planned + (0 if per_call else 1)
+
+
 def test_several_sequences_share_the_padded_verify_batch():
     costs = CostModel()  # flat up to 8 rows: two sequences fit 3 draft tokens each, padded to [2, 4]
     costs.set_points({1: 1.0, 8: 1.0, 16: 4.0})
     planner = planner_with(costs, {"x": 0.9})
     assert planner.plan([("x", 16), ("x", 16)], 0.0) == [3, 3]
-    assert planner.drafting_caps(["x"], 2) == {"x": 3}
+    assert planner.drafting_caps(["x"], 2) == {"x": 3 + GATED_EXTRA}
 
 
 def test_a_ragged_verify_batch_gives_one_sequence_its_long_draft_beside_draftless_ones():
