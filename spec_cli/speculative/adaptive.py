@@ -102,7 +102,7 @@ LONG_RUN_DECAY = 0.95
 # far say it pays. Replayed on four saved curve files: the 1.5b's chat 1.027 -> 1.043x of plain on one (draft-max 4
 # 1.069x), chained 1.029 -> 1.042x; elsewhere the same plans.
 POOLED_DECAY = 0.99
-MEMORIES = ("recent", "long_run", "pooled")
+MEMORIES = ("recent", "long_run", "pooled")  # the planner's estimates, shortest memory first
 # A token-by-token model drafter may draft GATED_EXTRA tokens past the length its positional estimates plan: its
 # gate (confidence.DraftGate) stops the draft where the next token stops paying, and a position past the cap is
 # never drafted, so never judged again. With the floor of p-min gone (options.DRAFT_P_MIN), unsure tokens rejected
@@ -111,7 +111,7 @@ MEMORIES = ("recent", "long_run", "pooled")
 # 1.623x and 1.596 -> 1.631x of plain on the 1.5b (draft-max 4: 1.58-1.59x), 1.377 -> 1.423x on the 0.5b with
 # smollm2; the 1.5b's chat 1.285 -> 1.256x and 1.280 -> 1.269x (draft-max 4: 1.06x); elsewhere within 2 points.
 # Twice the planned length instead: chat 1.22-1.23x.
-GATED_EXTRA = 1  # the planner's estimates, shortest memory first
+GATED_EXTRA = 1
 
 
 class AcceptanceModel:
