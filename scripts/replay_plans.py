@@ -33,10 +33,11 @@ from pathlib import Path
 
 import torch
 
+from spec_cli.errors import UsageError
 from spec_cli.model.batch import Batch
 from spec_cli.model.context import DecodeOutput
 from spec_cli.model.sampling import SamplingParams
-from spec_cli.options import draft_bound, draft_max, draft_p_min, spec_types
+from spec_cli.options import OPTIONS, draft_bound
 from spec_cli.runtime.engine import EngineOptions, build_engine
 from spec_cli.runtime.generate import generate
 from spec_cli.runtime.session import Session
@@ -197,13 +198,19 @@ def main() -> None:
     ap.add_argument("--draft-max", default="4,8,16,auto")
     ap.add_argument("--prompt-set", default="code-edit,writing,chat")
     ap.add_argument("-n", "--n-predict", type=int, default=64)
-    ap.add_argument("--draft-p-min", type=draft_p_min, default=SpecParams.draft_p_min,
+    ap.add_argument("--draft-p-min", default=SpecParams.draft_p_min,
                     help="a draft model's p-min: a probability or auto (spec-cli's --draft-p-min)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--draft-clock", choices=("real", "curve"), default="real",
                     help="a draft model's forwards at their real time, or at its cost curve's (timed at the start)")
     ap.add_argument("--curves", type=Path, help="JSON of the timed curves: read where it exists, else written")
     args = ap.parse_args()
+    try:  # as spec-cli reads them: a bad value is a usage error, not a traceback
+        p_min = OPTIONS["draft_p_min"].value(args.draft_p_min)
+        lengths = [OPTIONS["draft_max"].value(v) for v in args.draft_max.split(",")]
+        chains = [OPTIONS["spec_type"].value(chain) for chain in args.spec_type.split(";")]
+    except UsageError as e:
+        ap.error(str(e))
     torch.set_num_threads(args.threads)
     engine = build_engine(EngineOptions(model=args.model, model_draft=args.model_draft, n_ctx=4096,
                                         threads=args.threads))
@@ -217,10 +224,8 @@ def main() -> None:
         draft_costs = FrozenCosts()
         draft_costs.set_points(draft_curve)
         ChargedDrafts(engine.draft_ctx, draft_costs)
-    chains = [spec_types(chain) for chain in args.spec_type.split(";")]
-    lengths = [draft_max(v) for v in args.draft_max.split(",")]
     print(f"{args.model}, -n {args.n_predict}, {args.threads} threads, draft clock {args.draft_clock}, p-min "
-          f"{args.draft_p_min}: modeled speed-up over plain decoding (steps; draft tokens accepted / drafted)")
+          f"{p_min}: modeled speed-up over plain decoding (steps; draft tokens accepted / drafted)")
     for set_name in set_names:
         prompts = [render_tokens(p, engine.tokenizer) for p in load_prompt_set(set_name).prompts]
         outputs = greedy_outputs(plain, prompts, args.n_predict)
@@ -234,7 +239,7 @@ def main() -> None:
             cells = []
             for n in lengths:
                 bound, adaptive = draft_bound(n)
-                spec = SpecParams(types=chain, draft_max=bound, adaptive=adaptive, draft_p_min=args.draft_p_min)
+                spec = SpecParams(types=chain, draft_max=bound, adaptive=adaptive, draft_p_min=p_min)
                 r = replay(Session(virtual, spec), oracle, prompts, outputs, args.n_predict)
                 speed = (r.tokens / r.seconds) / (base.tokens / base.seconds)
                 cells.append(f"{speed:.3f} ({r.steps}; {r.accepted}/{r.drafted})")

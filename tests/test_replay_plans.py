@@ -12,6 +12,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from spec_cli.runtime.session import Session
 from spec_cli.speculative.base import SpecParams
 from tests.test_generate import PROMPTS, SMALL, make_session, run
@@ -68,6 +70,20 @@ def test_replay_plans_prints_a_table_per_prompt_set(tiny_model_path, tiny_close_
         assert saved["target"]["1"] > 0 and saved["draft"]["1"] > 0
         assert written in (None, curves.stat().st_mtime_ns)  # read, not timed again
         written = curves.stat().st_mtime_ns
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--draft-max", "4,x", "--draft-max must be a non-negative integer or auto (got 'x')"),
+    ("--draft-p-min", "2", "--draft-p-min must be in [0, 1] (got '2')"),
+    ("--spec-type", "ngram-mod;bogus", "--spec-type must be drafter types from"),
+])
+def test_a_bad_flag_value_is_a_usage_error(flag, value, says):
+    """Read as spec-cli reads them, before a model loads: exit 2 and the flag's message, no traceback."""
+    args = {"--spec-type": "ngram-mod", flag: value}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "-m", "no-such-model", *(x for kv in args.items() for x in kv)],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2
+    assert says in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_a_charged_draft_forward_takes_its_curves_time(monkeypatch):
