@@ -17,6 +17,9 @@ loses to a fixed length here only by its own choices.
 Drafters that read the target's hidden states (draft-mtp, draft-eagle3, draft-dflash, draft-dspark) cannot run
 against the oracle; a draft model (-md, draft-simple) runs for real, its forwards taking their real time, or with
 `--draft-clock curve` the time of its own cost curve, timed once as the target's is (`ChargedDrafts`).
+
+`--ceiling` adds what a drafter that copies the set's text could reach at best (`copy_ceiling`): the yardstick for
+suffix decoding and the n-gram drafters on a set.
 """
 
 from __future__ import annotations
@@ -164,6 +167,33 @@ def replay(session: Session, oracle: OracleContext, prompts: list[list[int]],
     return result
 
 
+def copy_ceiling(prompts: list[list[int]], outputs: list[tuple[list[int], int | None]], draft_max: int,
+                 costs: CostModel) -> tuple[float, int]:
+    """What a drafter that copies this set's text could reach at best, chain-verified: at every step it drafts, in
+    hindsight, the longest continuation of the output (up to draft_max tokens) that follows an occurrence of the
+    last committed token in the request's own text so far or in the earlier requests' outputs (the text a suffix
+    tree or an n-gram cache holds), all of it accepted, drafting free. Returns the speed-up over plain decoding,
+    forwards at the curve's cost and nothing else counted, and the steps. Why: a target for a copy drafter above
+    this cannot be met by choosing its drafts better, only by verifying more than one path or by another drafter."""
+    def text(tokens: list[int]) -> str:  # token ids as characters, so that str's substring search does the matching
+        return "".join(chr(t + 1) for t in tokens)
+
+    earlier, seconds, plain_seconds, steps = "", 0.0, 0.0, 0
+    for prompt, (out, _) in zip(prompts, outputs):
+        i = 1  # out[i - 1] is the last committed token (out[0] comes with the prompt)
+        while i < len(out):
+            source = text(prompt + out[: i - 1]) + "\0" + earlier  # not the last token's own place
+            n = 0
+            while n < draft_max and i + n < len(out) and text(out[i - 1 : i + n + 1]) in source:
+                n += 1
+            seconds += costs(n + 1)
+            steps += 1
+            i += n + 1
+        plain_seconds += costs(1) * (len(out) - 1)
+        earlier += "\0" + text(out)
+    return plain_seconds / seconds if seconds else 1.0, steps
+
+
 def timed_curves(engine, plain: Session, prompt: list[int], draft_clock: str,
                  path: Path | None) -> tuple[dict[int, float], dict[int, float] | None]:
     """Seconds by rows of the target's forwards (the curve `auto` plans with) and, with --draft-clock curve, of the
@@ -204,6 +234,9 @@ def main() -> None:
     ap.add_argument("--draft-clock", choices=("real", "curve"), default="real",
                     help="a draft model's forwards at their real time, or at its cost curve's (timed at the start)")
     ap.add_argument("--curves", type=Path, help="JSON of the timed curves: read where it exists, else written")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="add a row: a copy drafter's best in hindsight (the longest continuation of the output found "
+                         "after the last token in the text copied from, all accepted; forwards only)")
     args = ap.parse_args()
     try:  # as spec-cli reads them: a bad value is a usage error, not a traceback
         p_min = OPTIONS["draft_p_min"].value(args.draft_p_min)
@@ -244,6 +277,9 @@ def main() -> None:
                 speed = (r.tokens / r.seconds) / (base.tokens / base.seconds)
                 cells.append(f"{speed:.3f} ({r.steps}; {r.accepted}/{r.drafted})")
             print(f"| {','.join(chain)} | " + " | ".join(cells) + " |")
+        if args.ceiling:
+            bounds = [copy_ceiling(prompts, outputs, draft_bound(n)[0], costs) for n in lengths]
+            print("| copy ceiling | " + " | ".join(f"{speed:.3f} ({steps})" for speed, steps in bounds) + " |")
 
 
 if __name__ == "__main__":

@@ -104,3 +104,33 @@ def test_a_charged_draft_forward_takes_its_curves_time(monkeypatch):
     t0 = time.perf_counter()
     assert ctx.decode([0, 0, 0], head=None) == 3
     assert costs(3) <= time.perf_counter() - t0 < costs(3) + 0.01
+
+
+def test_the_copy_ceiling_jumps_the_longest_copyable_continuation():
+    """Per step the longest continuation that follows the last committed token somewhere earlier (the request's own
+    text, or earlier outputs), up to draft_max: here 2 steps, then 3 at a cap of 2, then one for a repeated output."""
+    rp = load_script()
+    costs = rp.FrozenCosts()
+    costs.set_points({1: 1.0, 64: 1.0})  # every forward the same: the speed-up is tokens over steps
+    prompt, out = [1, 2, 3, 4, 5], [9, 2, 3, 4, 5, 7]
+    assert rp.copy_ceiling([prompt], [(out, None)], 16, costs) == (5 / 2, 2)  # 9 unseen, then 2 -> 3 4 5
+    assert rp.copy_ceiling([prompt], [(out, None)], 2, costs) == (5 / 3, 3)
+    speed, steps = rp.copy_ceiling([prompt, [8]], [(out, None), (out, None)], 16, costs)
+    assert steps == 2 + 1  # the second request copies the first one's output whole
+
+
+def test_no_copy_drafter_beats_the_copy_ceiling(tiny_model_path):
+    """The ceiling bounds what suffix and ngram-cache take: never fewer steps than it at the same draft max."""
+    rp = load_script()
+    real = make_session(tiny_model_path)
+    outputs = rp.greedy_outputs(Session(real.engine, SpecParams()), PROMPTS, N)
+    costs = rp.FrozenCosts()
+    costs.set_points({1: 1.0, 4: 1.5, 64: 32.0})
+    oracle = rp.OracleContext(real.engine.ctx, costs)
+    virtual = replace(real.engine, ctx=oracle, costs=costs)
+    _, bound = rp.copy_ceiling(PROMPTS, outputs, 4, costs)
+    for drafter in ("suffix", "ngram-cache"):
+        spec = SpecParams(types=[drafter], draft_max=4, draft_p_min=0.0, **SMALL)
+        replayed = rp.replay(Session(virtual, spec), oracle, PROMPTS, outputs, N)
+        assert bound <= replayed.steps, drafter
+    assert bound < sum(len(out) - 1 for out, _ in outputs)  # these prompts repeat: copying pays
