@@ -72,10 +72,16 @@ def planner_with(costs: CostModel, rates: dict[str, float], ragged: bool = False
     """A planner whose drafters have the given constant conditional acceptance at every position, known from drafts
     the target has judged."""
     planner = Planner(costs, ragged=ragged)
-    planner.acceptance.gains = lambda name: [rates[name] ** j for j in range(1, AUTO_DRAFT_MAX + 1)]
-    planner.long_run.gains = planner.acceptance.gains
+    know_rates(planner, rates)
     planner.n_verified = dict.fromkeys(rates, JUDGED_DRAFTS)
     return planner
+
+
+def know_rates(planner: Planner, rates: dict[str, float]) -> None:
+    """The recent and long-run estimates of each drafter: its constant acceptance, known without uncertainty."""
+    planner.acceptance.gains = lambda name: [rates[name] ** j for j in range(1, AUTO_DRAFT_MAX + 1)]
+    planner.long_run.gains = planner.acceptance.gains
+    planner.long_run.rates = lambda name, z=0.0: [rates[name]] * AUTO_DRAFT_MAX
 
 
 # --- the models ----------------------------------------------------------------------------------------------
@@ -369,6 +375,30 @@ def test_a_model_drafter_is_probed_until_the_target_has_judged_its_drafts():
     assert probes[:JUDGED_PROBES] == [1] * JUDGED_PROBES and sum(probes[JUDGED_PROBES:]) <= 1
 
 
+def test_a_drafter_dropped_on_little_evidence_is_probed_until_its_estimates_can_tell():
+    """Judged on three drafts (3 of 3 accepted, then 0 of 6 and 0 of 2) a draft model at 0.4 of a target forward
+    falls to 0; while its estimates, raised by their uncertainty, still say it may pay, it is probed at once: right,
+    it is back the next step; wrong, its probes stop after two."""
+    def caps_after_unlucky_drafts(probe_accepted: bool) -> list[int]:
+        planner = Planner(flat())
+        planner.observe_drafting("x", 9.0, [(1, 1)])  # the first call is not priced
+        planner.observe_drafting("x", 0.4, [(1, 1)])
+        for n, accepted in ((3, 3), (6, 0), (2, 0)):
+            planner.drafting_caps(["x"], 1)
+            planner.observe_accept("x", n, accepted)
+        caps = []
+        for _ in range(PROBE_GAP_MIN):
+            caps.append(planner.drafting_caps(["x"], 1)["x"])
+            if caps[-1]:
+                planner.observe_accept("x", 1, int(probe_accepted))
+        return caps
+
+    right = caps_after_unlucky_drafts(True)
+    assert right[:2] == [1, 2] and min(right[1:]) >= 2  # probed, then planned again
+    wrong = caps_after_unlucky_drafts(False)
+    assert 1 <= sum(wrong) <= 2 and wrong[:sum(wrong)] == [1] * sum(wrong)  # a probe or two, then dropped
+
+
 def test_a_model_drafter_is_asked_only_clear_of_break_even():
     """Asking a draft model costs its forwards: planned at 1.02x of plain it is not asked (estimates move by more
     than that from step to step); at 1.1x it is (for its planned token and GATED_EXTRA more, which its gate stops
@@ -567,8 +597,7 @@ def test_a_draft_models_probes_after_its_first_are_priced_by_its_prompt_prefill_
     planner.observe_mirroring("x", 0.0)  # a verify step's rows: not a probe's price
     planner.observe_catch_up("x", 0.0)  # an ask with a cache in step: neither
     assert planner.drafting_caps(["x"], 1)["x"] > 0
-    planner.acceptance.gains = lambda name: [0.0] * AUTO_DRAFT_MAX  # the text changes: never right any more
-    planner.long_run.gains = planner.acceptance.gains
+    know_rates(planner, {"x": 0.0})  # the text changes: never right any more
     price = 1.0 + 0.3  # + a flat curve's free extra row, in one-row forwards
     probes = [step for step in range(3, 1000) if planner.drafting_caps(["x"], 1)["x"] == 1]
     assert abs(probes[0] - (2 + price / PROBE_BUDGET)) <= 1

@@ -37,7 +37,9 @@ blocks were accepted whole (issue 46: 0.87x of --draft-max 16 on code edits).
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 
 from spec_cli.options import DRAFT_MAX
 from spec_cli.speculative.confidence import ConfidenceModel, DraftGate, calibrated_gains
@@ -77,6 +79,16 @@ PROBE_GAP_MAX = 256
 # had its first two asks stopped by p-min at the start of an answer, fell to 0 on the prior a_1 = 0.5, and its next
 # probe was 256 steps away: never asked in a request, where draft-max 4 runs at 1.16x of plain (88 % accepted).
 JUDGED_DRAFTS = 3
+# Three judged drafts are little evidence: smollm2 drafting for qwen2.5-coder-0.5b on code edits (~0.7 of its first
+# tokens accepted, 0.35 of a target forward per draft token) had its first drafts accepted 3 of 3, 0 of 6 and 0 of 2,
+# fell to 0, and its next probe was ~170 steps away: 308 steps for the set against 142 at --draft-max 4. So a drafter
+# that falls to 0 stays unjudged, probed at every step (its cache kept in step), while its long-run estimates raised
+# by Z_UPPER standard errors still plan it above 0 (`UpperAcceptance`): a wrong one is done after a probe or two, a
+# right one comes back. Replayed
+# (`scripts/replay_plans.py --draft-clock curve --curves FILE`, 2026-11-29, two curve files): that set 1.04 -> 1.26x
+# of plain (draft-max 4 1.16x), chained with ngram-mod 1.58-1.60 -> 1.68-1.70x (1.50-1.52x), writing 1.11 -> 1.14x;
+# the 1.5b's chat 1.07 -> 1.11x; elsewhere within the replay's noise (1-2 %).
+Z_UPPER = 1.0
 JUDGED_PROBES = 16
 PROBE_BUDGET = 0.01
 # A drafter whose asking costs time (a model's forwards) is asked only where its expected tokens per second beat plain
@@ -150,12 +162,12 @@ class AcceptanceModel:
         self.counts[name] = [[x * scale for x in c] for c in other.counts.get(name) or other._unseen()]
         self._gains.pop(name, None)
 
-    def rates(self, name: str) -> list[float]:
-        """a_1..a_n_max."""
+    def rates(self, name: str, z: float = 0.0) -> list[float]:
+        """a_1..a_n_max; with z > 0 each raised by z standard errors of its decayed counts (capped at 1)."""
         out, prior = [], PRIOR_ACCEPT
         for hits, trials, weight in self.counts.get(name) or self._unseen():
             prior = (hits + weight * prior) / (trials + weight)
-            out.append(prior)
+            out.append(min(1.0, prior + z * math.sqrt(prior * (1 - prior) / (trials + weight))))
         return out
 
     def _unseen(self) -> list[list[float]]:
@@ -171,6 +183,17 @@ class AcceptanceModel:
                 cached.append(g)
             self._gains[name] = cached
         return cached
+
+
+class UpperAcceptance:
+    """What a drafter's acceptance may be, as far as `model`'s evidence tells: its a_i raised by Z_UPPER standard
+    errors (`AcceptanceModel.rates`)."""
+
+    def __init__(self, model: AcceptanceModel) -> None:
+        self.model = model
+
+    def gains(self, name: str) -> list[float]:
+        return list(itertools.accumulate(self.model.rates(name, Z_UPPER), operator.mul))
 
 
 def expected_tokens(gains: list[float], k: int) -> float:
@@ -283,8 +306,9 @@ class Planner:
                 if name not in self.per_call:
                     k = min(self.n_max, k + GATED_EXTRA)  # its gate stops the draft where it stops paying
             else:
+                in_step = name not in self.dropped or name in probed  # asked at the last step: its cache is warm
                 self.dropped.add(name)
-                if self._unjudged(name):
+                if self._unjudged(name, n_seq, in_step):
                     self.probing.add(name)  # at the price of one token: its cache is still warm
                     self.unjudged_probes[name] = self.unjudged_probes.get(name, 0) + 1
                 elif self.step >= self.next_probe[name]:
@@ -312,8 +336,9 @@ class Planner:
         """The acceptance model and the observed reach (None before the first ask) of one of MEMORIES."""
         if memory == "pooled":
             return self.pooled, self._pooled_reach(name)
-        if memory == "long_run":
-            return self.long_run, self.long_run_reach.get(name)
+        if memory in ("long_run", "upper"):
+            model = self.long_run if memory == "long_run" else UpperAcceptance(self.long_run)
+            return model, self.long_run_reach.get(name)
         return self.acceptance, self.reach.get(name)
 
     def _pooled_reach(self, name: str) -> list[float] | None:
@@ -452,10 +477,16 @@ class Planner:
                 self.probing.discard(name)
         return lengths
 
-    def _unjudged(self, name: str) -> bool:
-        """Whether a model drafter planned at 0 still rests on its priors (fewer than JUDGED_DRAFTS of its drafts
-        judged by the target) and may be probed at once, up to JUDGED_PROBES times."""
-        return self.n_verified.get(name, 0) < JUDGED_DRAFTS and self.unjudged_probes.get(name, 0) < JUDGED_PROBES
+    def _unjudged(self, name: str, n_seq: int, in_step: bool) -> bool:
+        """Whether a model drafter planned at 0 is not judged yet, and may be probed at once (up to JUDGED_PROBES
+        times): fewer than JUDGED_DRAFTS of its drafts judged by the target, or, while it is `in_step` (asked at
+        the last step, so a probe costs one token, no restart), too few for its estimates to tell (raised by their
+        uncertainty, they still plan it above 0)."""
+        if self.unjudged_probes.get(name, 0) >= JUDGED_PROBES:
+            return False
+        if self.n_verified.get(name, 0) < JUDGED_DRAFTS:
+            return True
+        return in_step and self._uniform_length(name, n_seq, "upper") > 0
 
     def _spend_probe(self, name: str) -> None:
         """The next probe after the doubled gap, or longer where the last probe showed a dearer price than the gap
