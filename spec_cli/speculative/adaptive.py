@@ -332,8 +332,9 @@ class Planner:
                     shorter_reach[name] = list(reach)
         return k
 
-    def _estimates(self, name: str, memory: str) -> tuple[AcceptanceModel, list[float] | None]:
-        """The acceptance model and the observed reach (None before the first ask) of one of MEMORIES."""
+    def _estimates(self, name: str, memory: str) -> tuple[AcceptanceModel | UpperAcceptance, list[float] | None]:
+        """The acceptance model and the observed reach (None before the first ask) of one of MEMORIES, or of
+        "upper": the long-run estimates raised by their uncertainty (`UpperAcceptance`)."""
         if memory == "pooled":
             return self.pooled, self._pooled_reach(name)
         if memory in ("long_run", "upper"):
@@ -445,7 +446,7 @@ class Planner:
         0.02-0.2 ms against a 0.5b forward's 14.5, but priced per token, their EMA (one call preempted for 7-30 ms
         on a busy machine included) counted k times on every ask against a gain that comes with 1 ask in r_1:
         ngram-mod, drafting on 7 % of code-edit steps, was capped at a few tokens or dropped.
-        `memory`: which of MEMORIES' estimates it plans on (`_start_over_length`)."""
+        `memory`: which estimates it plans on (`_estimates`; MEMORIES' longer ones in `_start_over_length`)."""
         model, observed_reach = self._estimates(name, memory)
         gains, reach = model.gains(name), self._reach(observed_reach)
         plain, f = self.costs(n_seq), self._draft_cost(name)
