@@ -58,6 +58,20 @@ class FrozenCosts(CostModel):
         pass
 
 
+class ReplayedCosts(CostModel):
+    """The calibrated curve refined online as in a real run, from each step's verify side with its target forward
+    taken at the curve's cost instead of the oracle's real time (`--costs online`): the planner then also learns
+    what the step loop itself takes, which a real run's estimates include and the frozen curve leaves out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last_decode = (0.0, 0.0)  # the oracle's last forward: (its real seconds, the curve's)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        real, modeled = self.last_decode
+        super().observe(rows, seconds - real + modeled)
+
+
 class OracleContext:
     """Stands in for the target context: per sequence the whole greedy stream (prompt, then output), each row with
     logits answered by a one-hot row at the stream's next token; every decode adds the curve's seconds for its rows
@@ -81,8 +95,11 @@ class OracleContext:
         for r, i in enumerate(rows):
             stream, nxt = self.streams[batch.seq_ids[i]], batch.pos[i] + 1
             logits[r, stream[nxt] if nxt < len(stream) else 0] = 1.0
-        self.modeled_s += self.costs(len(batch))
-        self.real_s += time.perf_counter() - t0
+        modeled, real = self.costs.curve(len(batch)), time.perf_counter() - t0
+        if isinstance(self.costs, ReplayedCosts):
+            self.costs.last_decode = (real, modeled)
+        self.modeled_s += modeled
+        self.real_s += real
         return DecodeOutput(logits, None)
 
     def seq_rm(self, seq: int, p0: int, p1: int = -1) -> None:
@@ -234,6 +251,9 @@ def main() -> None:
     ap.add_argument("--draft-clock", choices=("real", "curve"), default="real",
                     help="a draft model's forwards at their real time, or at its cost curve's (timed at the start)")
     ap.add_argument("--curves", type=Path, help="JSON of the timed curves: read where it exists, else written")
+    ap.add_argument("--costs", choices=("frozen", "online"), default="frozen",
+                    help="the planner's verify costs: the calibrated curve as it is, or refined by the steps as in a "
+                         "real run (the curve's cost for the forward plus the step loop's own time)")
     ap.add_argument("--ceiling", action="store_true",
                     help="add a row: a copy drafter's best in hindsight (the longest continuation of the output found "
                          "after the last token in the text copied from, all accepted; forwards only)")
@@ -251,8 +271,12 @@ def main() -> None:
     set_names = args.prompt_set.split(",")
     first = render_tokens(load_prompt_set(set_names[0]).prompts[0], engine.tokenizer)
     target_curve, draft_curve = timed_curves(engine, plain, first, args.draft_clock, args.curves)
-    costs = FrozenCosts()
-    costs.set_points(target_curve)
+    def fresh_costs() -> CostModel:  # per configuration: what one configuration's steps teach stays its own
+        costs = ReplayedCosts() if args.costs == "online" else FrozenCosts()
+        costs.set_points(target_curve)
+        return costs
+
+    costs = fresh_costs()
     if args.draft_clock == "curve" and draft_curve is not None:
         draft_costs = FrozenCosts()
         draft_costs.set_points(draft_curve)
@@ -273,7 +297,9 @@ def main() -> None:
             for n in lengths:
                 bound, adaptive = draft_bound(n)
                 spec = SpecParams(types=chain, draft_max=bound, adaptive=adaptive, draft_p_min=p_min)
-                r = replay(Session(virtual, spec), oracle, prompts, outputs, args.n_predict)
+                oracle.costs = fresh_costs()
+                r = replay(Session(replace(virtual, costs=oracle.costs), spec), oracle, prompts, outputs,
+                           args.n_predict)
                 speed = (r.tokens / r.seconds) / (base.tokens / base.seconds)
                 cells.append(f"{speed:.3f} ({r.steps}; {r.accepted}/{r.drafted})")
             print(f"| {','.join(chain)} | " + " | ".join(cells) + " |")

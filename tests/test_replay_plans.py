@@ -52,14 +52,15 @@ def test_the_oracle_takes_the_real_targets_steps(tiny_model_path):
 
 
 def test_replay_plans_prints_a_table_per_prompt_set(tiny_model_path, tiny_close_draft_path, tmp_path):
-    """And with --curves, the first run keeps the curves it timed, the second replays on them."""
+    """And with --curves, the first run keeps the curves it timed, the second replays on them (its planner's costs
+    refined online)."""
     curves = tmp_path / "curves.json"
     written = None
-    for _ in range(2):
+    for costs in ("frozen", "online"):
         proc = subprocess.run(
             [sys.executable, str(SCRIPT), "-m", str(tiny_model_path), "-md", str(tiny_close_draft_path),
              "--spec-type", "ngram-simple;draft-simple", "--draft-max", "4,auto", "--prompt-set", "code-edit", "-n",
-             "8", "-t", "1", "--draft-clock", "curve", "--curves", str(curves)],
+             "8", "-t", "1", "--draft-clock", "curve", "--curves", str(curves), "--costs", costs],
             capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
         )
         assert proc.returncode == 0, proc.stderr
@@ -134,3 +135,17 @@ def test_no_copy_drafter_beats_the_copy_ceiling(tiny_model_path):
         replayed = rp.replay(Session(virtual, spec), oracle, PROMPTS, outputs, N)
         assert bound <= replayed.steps, drafter
     assert bound < sum(len(out) - 1 for out, _ in outputs)  # these prompts repeat: copying pays
+
+
+def test_online_replay_costs_learn_the_step_with_its_forward_at_the_curves_cost():
+    """--costs online: a step's verify side is learned with the oracle's real forward time swapped for the curve's,
+    so what the step loop itself takes is learned and the oracle's speed is not; the frozen curve learns nothing."""
+    rp = load_script()
+    online, frozen = rp.ReplayedCosts(), rp.FrozenCosts()
+    for costs in (online, frozen):
+        costs.set_points({1: 1.0, 64: 64.0})
+        costs.last_decode = (0.01, costs.curve(3))  # a 3-row oracle forward: 10 ms real, 3 s by the curve
+        for _ in range(50):
+            costs.observe(3, 0.01 + 0.5)  # the forward's real time and 0.5 s of the step loop's own
+    assert online(3) == pytest.approx(3.0 + 0.5, abs=0.02)  # its first estimate, the curve, is forgotten
+    assert frozen(3) == 3.0
