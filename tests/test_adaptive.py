@@ -79,9 +79,8 @@ def planner_with(costs: CostModel, rates: dict[str, float], ragged: bool = False
 
 def know_rates(planner: Planner, rates: dict[str, float]) -> None:
     """The recent and long-run estimates of each drafter: its constant acceptance, known without uncertainty."""
-    planner.acceptance.gains = lambda name: [rates[name] ** j for j in range(1, AUTO_DRAFT_MAX + 1)]
-    planner.long_run.gains = planner.acceptance.gains
-    planner.long_run.rates = lambda name, z=0.0: [rates[name]] * AUTO_DRAFT_MAX
+    planner.acceptance.gains = lambda name, z=0.0: [rates[name] ** j for j in range(1, AUTO_DRAFT_MAX + 1)]
+    planner.long_run.gains = planner.acceptance.gains  # z, the uncertainty to add, is 0
 
 
 # --- the models ----------------------------------------------------------------------------------------------

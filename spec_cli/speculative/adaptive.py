@@ -84,10 +84,9 @@ JUDGED_DRAFTS = 3
 # fell to 0, and its next probe was ~170 steps away: 308 steps for the set against 142 at --draft-max 4. So a drafter
 # that falls to 0 stays unjudged, probed at every step (its cache kept in step), while its long-run estimates raised
 # by Z_UPPER standard errors still plan it above 0 (`UpperAcceptance`): a wrong one is done after a probe or two, a
-# right one comes back. Replayed
-# (`scripts/replay_plans.py --draft-clock curve --curves FILE`, 2026-11-29, two curve files): that set 1.04 -> 1.26x
-# of plain (draft-max 4 1.16x), chained with ngram-mod 1.58-1.60 -> 1.68-1.70x (1.50-1.52x), writing 1.11 -> 1.14x;
-# the 1.5b's chat 1.07 -> 1.11x; elsewhere within the replay's noise (1-2 %).
+# right one comes back. Replayed (`scripts/replay_plans.py --draft-clock curve --curves FILE`, 2026-11-29, two curve
+# files): that set 1.04 -> 1.26x of plain (draft-max 4 1.16x), chained with ngram-mod 1.58-1.60 -> 1.68-1.70x
+# (1.50-1.52x), writing 1.11 -> 1.14x; the 1.5b's chat 1.07 -> 1.11x; elsewhere within the replay's noise (1-2 %).
 Z_UPPER = 1.0
 JUDGED_PROBES = 16
 PROBE_BUDGET = 0.01
@@ -173,15 +172,14 @@ class AcceptanceModel:
     def _unseen(self) -> list[list[float]]:
         return [[0.0, 0.0, PRIOR_WEIGHT if i == 0 else DEPTH_PRIOR_WEIGHT] for i in range(self.n_max)]
 
-    def gains(self, name: str) -> list[float]:
-        """g_1..g_n_max: g_j = prod_{i<=j} a_i, the expected tokens the j-th draft token adds."""
+    def gains(self, name: str, z: float = 0.0) -> list[float]:
+        """g_1..g_n_max: g_j = prod_{i<=j} a_i, the expected tokens the j-th draft token adds (from rates raised by
+        z standard errors where z > 0, not cached)."""
+        if z:
+            return list(itertools.accumulate(self.rates(name, z), operator.mul))
         cached = self._gains.get(name)
         if cached is None:
-            cached, g = [], 1.0
-            for a in self.rates(name):
-                g *= a
-                cached.append(g)
-            self._gains[name] = cached
+            cached = self._gains[name] = list(itertools.accumulate(self.rates(name), operator.mul))
         return cached
 
 
@@ -193,7 +191,7 @@ class UpperAcceptance:
         self.model = model
 
     def gains(self, name: str) -> list[float]:
-        return list(itertools.accumulate(self.model.rates(name, Z_UPPER), operator.mul))
+        return self.model.gains(name, Z_UPPER)
 
 
 def expected_tokens(gains: list[float], k: int) -> float:
