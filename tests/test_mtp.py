@@ -15,6 +15,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
+from spec_cli.errors import SpecCliError
 from spec_cli.model import mtp_head as mtp_module
 from spec_cli.model.batch import Batch
 from spec_cli.model.context import Context
@@ -425,6 +426,18 @@ def test_training_data_leaves_out_prompt_set_sources(tiny_model_path):
     assert prompts.shape == (3, 256)
     text = tok.decode(prompts[0].tolist())
     assert text.startswith("<|im_start|>user") and text.endswith("<|im_start|>assistant\n")
+
+
+def test_text_windows_spread_over_documents(tiny_model_path):
+    """As many windows as documents take one from each, however long some are; more take the rest in turns."""
+    tok = Tokenizer.from_metadata(GGUFFile(tiny_model_path).metadata)
+    docs = [(f"long{c}", f"{c} " * 4000) for c in "xyz"] + [(c, f"{c} " * 300) for c in "abcdef"]
+    letters = lambda w: {next(iter(set(tok.decode(row.tolist()).split()))) for row in w}  # noqa: E731
+    assert letters(token_windows(tok, docs, 64, 9, random.Random(0))) == set("xyzabcdef")
+    more = token_windows(tok, docs, 64, 40, random.Random(1))
+    assert more.shape == (40, 64) and letters(more) == set("xyzabcdef")
+    with pytest.raises(SpecCliError, match="windows"):
+        token_windows(tok, docs[3:], 64, 1000, random.Random(0))
 
 
 def test_spec_type_mtp_through_the_engine(mtp_path):
