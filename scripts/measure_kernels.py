@@ -1,9 +1,10 @@
 """Throughput of the compiled kernels' weight products per GGUF block type and activation row count: GB/s of weights
 read and int8 products per second as a share of the measured multiply peak.
 
-Random blocks (64 MB per type, sane fp16 scales) so that the weights come from memory, not cache; best of 3. The
-peak is that of the instruction the packed products multiply with (kernels.int8_peak: AVX-512 VNNI vpdpbusd, else
-AVX2 vpmaddubsw), on the same threads.
+Random blocks (64 MB per type, sane fp16 scales) so that the weights come from memory, not cache; the median call
+of those made in --seconds per cell (a single call of a few ms swings by +-15 % on a VM, the median of a second's
+calls by a few %). The peak is that of the instruction the packed products multiply with (kernels.int8_peak: AVX-512
+VNNI vpdpbusd, else AVX2 vpmaddubsw), on the same threads.
 
     python scripts/measure_kernels.py -t 1 -k 1536
 """
@@ -15,6 +16,7 @@ import spec_cli  # noqa: F401  (first: sets the OpenMP wait policy before torch 
 # isort: split
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -36,12 +38,24 @@ def random_layer(qtype: T, n_in: int, mb: int) -> tuple[kernels.LinearDesc, int]
     return kernels.LinearDesc([(qtype, raw)], n_in, None), n_out * n_in
 
 
+def median_call(fn, seconds: float) -> float:
+    """Seconds of the median call of fn among those made in `seconds` (at least 3)."""
+    times: list[float] = []
+    end = time.perf_counter() + seconds
+    while len(times) < 3 or time.perf_counter() < end:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("-t", "--threads", type=int, default=1)
     ap.add_argument("-k", "--n-in", type=int, default=2048)
     ap.add_argument("--mb", type=int, default=64)
     ap.add_argument("--rows", default="1,2,4,8,16")
+    ap.add_argument("--seconds", type=float, default=1.0, help="time spent on each cell")
     ap.add_argument("--avx2", action="store_true", help="the AVX2 kernels where the CPU also has AVX-512 VNNI")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -54,13 +68,9 @@ def main() -> None:
         cells = []
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, args.n_in)
-            best = float("inf")
-            for _ in range(3):
-                t0 = time.perf_counter()
-                kernels.linear(layer, x)
-                best = min(best, time.perf_counter() - t0)
-            share = n_weights * rows / best / peak * 100
-            cells.append(f"{rows:2d} rows {n_bytes / best / 1e9:5.1f} GB/s {share:3.0f} %")
+            call = median_call(lambda: kernels.linear(layer, x), args.seconds)
+            share = n_weights * rows / call / peak * 100
+            cells.append(f"{rows:2d} rows {n_bytes / call / 1e9:5.1f} GB/s {share:3.0f} %")
         print(f"{qtype.name:5s} " + "  ".join(cells))
 
 

@@ -135,16 +135,30 @@ void dot32_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* ou
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, L::has_min ? _mm256_add_ps(acc[r], accm[r]) : acc[r]);
 }
 
-// byte s (0..3) of each 32-bit lane of v, as the lane's int16 pair (byte, byte) (AVX2: vpmaddwd sums the pair's
-// two int16 products into the lane) or as (byte, 0) (VNNI: vpmaddwd multiplies the lane's int16 by the byte)
+// byte s (0..3) of each 32-bit lane of v, as the lane's int16 pair (byte, byte): vpmaddwd sums the pair's two
+// int16 products into the lane (the AVX2 Q4_K product)
 inline __m256i lane_byte(__m256i v, int s) {
     const __m256i pair = _mm256_setr_epi8(0, -128, 0, -128, 4, -128, 4, -128, 8, -128, 8, -128, 12, -128, 12, -128,
                                           0, -128, 0, -128, 4, -128, 4, -128, 8, -128, 8, -128, 12, -128, 12, -128);
-    const __m256i word = _mm256_setr_epi8(0, -128, -128, -128, 4, -128, -128, -128, 8, -128, -128, -128, 12, -128,
-                                          -128, -128, 0, -128, -128, -128, 4, -128, -128, -128, 8, -128, -128, -128,
-                                          12, -128, -128, -128);
-    return _mm256_shuffle_epi8(v, _mm256_add_epi8(VNNI ? word : pair, _mm256_set1_epi8((char)s)));  // -128 + s: 0
+    return _mm256_shuffle_epi8(v, _mm256_add_epi8(pair, _mm256_set1_epi8((char)s)));  // -128 + s: still 0
 }
+
+// For the VNNI Q4_K product, per sub-block pair (2 s, 2 s + 1) with s = 0 or 1 (the pair's place in its four):
+// indices into the scales as int16 (word 4 c + t: row c's sub-block t) that give, in each 128-bit lane L, the
+// scales of _mm512_packs_epi32(p_lo, p_hi)'s words there: rows 2L, 2L + 1 (a lane pair each) of sub-block 2 s,
+// then of sub-block 2 s + 1
+struct PairScales { alignas(64) int16_t words[2][32]; };
+constexpr PairScales q4k_pair_scales() {
+    PairScales p{};
+    for (int s = 0; s < 2; s++) {
+        for (int i = 0; i < 32; i++) {
+            const int L = i / 8, w = i % 8, row = 2 * L + (w / 2) % 2;
+            p.words[s][i] = (int16_t)(4 * row + 2 * s + (w < 4 ? 0 : 1));
+        }
+    }
+    return p;
+}
+inline constexpr PairScales Q4K_PAIR_SCALES = q4k_pair_scales();
 
 // Q4_K X8 groups against Q8_K (R activation rows). The codes come in 64-byte runs of 8 bytes per row (row c at
 // 8 c), so in 32-bit lanes row c is the lane pair (2c, 2c + 1), 4 consecutive codes each, and one 8-byte
@@ -154,9 +168,10 @@ inline __m256i lane_byte(__m256i v, int s) {
 // zmm one (64 products) every 0.55 ns alone and 0.60 ns with an 8-byte broadcast each. A 62 MB Q4_K matrix, one
 // thread: 1 / 4 / 8 activation rows 1.9-2.2 / 4.5-6.1 / 9.5-10.1 ms before, 1.7-1.8 / 3.8 / 8.4 ms with 8-byte runs.
 // A lane's byte products within a sub-block (16 of them) add up exactly in int16 (16 x 15 x 128 < 2^15), then
-// one multiply by the row's sub-block scale (vpmaddwd; VNNI: vpdpwssd, adding it in); the lane pairs meet at the
-// end of the block, and the block's integer sum meets the float scales once. Integer sums are exact, so every form
-// gives the bits of the scalar twin.
+// one multiply by the row's sub-block scale (AVX2: vpmaddwd per sub-block, the lane pairs meeting at the end of
+// the block; VNNI: the two sub-blocks of a step packed into one vector of int16 and one vpdpwssd for both, which
+// adds each lane pair too); the block's integer sum meets the float scales once. Integer sums are exact, so every
+// form gives the bits of the scalar twin.
 template <int R>
 void dot_q4k_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
     const int64_t K = a.K, nb = K / 256;
@@ -196,8 +211,9 @@ void dot_q4k_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* 
         __m256i sumi[R];  // per row lane: the block's sum of scale x sub-block sum
         if constexpr (VNNI) {
             const __m512i m4w = _mm512_set1_epi8(0xF);
-            const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);  // row -> lane pair
-            __m512i sum2[R];  // lane pairs
+            // the scales as int16, word 4 c + s: row c's sub-block s (lo: 0..3, hi: 4..7)
+            const __m512i sc_words[2] = {_mm512_cvtepu8_epi16(sc_lo), _mm512_cvtepu8_epi16(sc_hi)};
+            __m512i sum2[R];  // per 128-bit lane L: rows 2L, 2L + 1 of sub-block 2j, then of sub-block 2j + 1
             for (int r = 0; r < R; r++) sum2[r] = _mm512_setzero_si512();
             for (int j = 0; j < 4; j++) {  // sub-blocks 2j (low nibbles) and 2j + 1 (high nibbles)
                 __m512i lo[4], hi[4];  // their 32 values of the 8 rows, unpacked once for all activation rows
@@ -206,10 +222,7 @@ void dot_q4k_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* 
                     lo[g] = _mm512_and_si512(bytes, m4w);
                     hi[g] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), m4w);
                 }
-                const __m256i sc = j < 2 ? sc_lo : sc_hi;
-                const __m512i s_lo = _mm512_permutexvar_epi32(dup, _mm512_castsi256_si512(lane_byte(sc, (2 * j) % 4)));
-                const __m512i s_hi =
-                    _mm512_permutexvar_epi32(dup, _mm512_castsi256_si512(lane_byte(sc, (2 * j + 1) % 4)));
+                const __m512i scale = _mm512_permutexvar_epi16(_mm512_load_si512(Q4K_PAIR_SCALES.words[j % 2]), sc_words[j / 2]);
                 for (int r = 0; r < R; r++) {
                     const int8_t* y = q[r] + b * 256 + 64 * j;
                     __m512i p_lo = _mm512_setzero_si512(), p_hi = _mm512_setzero_si512();
@@ -220,11 +233,15 @@ void dot_q4k_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* 
                         p_lo = _mm512_dpbusd_epi32(p_lo, lo[g], _mm512_set1_epi64(y_lo));
                         p_hi = _mm512_dpbusd_epi32(p_hi, hi[g], _mm512_set1_epi64(y_hi));
                     }
-                    sum2[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(sum2[r], p_lo, s_lo), p_hi, s_hi);
+                    // both sub-blocks' sums as int16 (exact: |sum| <= 16 x 15 x 128 < 2^15), then one multiply by
+                    // the scales that also adds each row's lane pair
+                    sum2[r] = _mm512_dpwssd_epi32(sum2[r], _mm512_packs_epi32(p_lo, p_hi), scale);
                 }
             }
-            for (int r = 0; r < R; r++) {  // lane 2c + lane 2c + 1, in the low half of each 64-bit lane
-                sumi[r] = _mm512_cvtepi64_epi32(_mm512_add_epi32(sum2[r], _mm512_srli_epi64(sum2[r], 32)));
+            const __m512i in_order = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 0, 1, 4, 5, 8, 9, 12, 13);
+            for (int r = 0; r < R; r++) {  // sub-block 2j + sub-block 2j + 1 of each row, rows in order
+                const __m512i rows2 = _mm512_add_epi32(sum2[r], _mm512_shuffle_epi32(sum2[r], _MM_PERM_BADC));
+                sumi[r] = _mm512_castsi512_si256(_mm512_permutexvar_epi32(in_order, rows2));
             }
         } else {
             // each row's scale bytes in both lanes of its pair: rows 0..3 (a), rows 4..7 (b)
