@@ -15,7 +15,15 @@ from spec_cli.model.dflash_file import load_dflash_head
 from spec_cli.model.dflash_head import DFlashContext
 from spec_cli.model.loader import load_model
 from spec_cli.model.sampling import SamplingParams
-from spec_cli.train.dflash import DFlashTrainConfig, block_states, default_layers, train
+from spec_cli.train.dflash import (
+    DFlashTrainConfig,
+    block_labels,
+    block_states,
+    default_layers,
+    settled_lengths,
+    train,
+)
+from spec_cli.train.eagle3_data import UNKNOWN, Windows, draft_row_index
 from tests.draft_recorder import record_drafts
 from tests.head_checks import (
     GGUFContents,
@@ -34,6 +42,26 @@ GREEDY = SamplingParams(temp=0.0, ignore_eos=True)
 CFG = DFlashTrainConfig(steps=200, lr=3e-3, seq_len=32, batch=4, data_tokens=32 * 96, gen_tokens=32 * 64,
                         eval_tokens=32 * 8, draft_vocab=150, checkpoint_every=50, block_size=4, draft_layers=2,
                         anchors=8)
+
+
+def test_block_rows_follow_the_targets_path_and_stop_where_the_text_leaves_it():
+    # the target would have written 8 after [5, 6, 7]; the text goes on with 9: a block anchored at 6 sees neither,
+    # so its rows are the target's 7 and 8, and nothing of what the target chose after the text's 9
+    tokens = torch.tensor([[5, 6, 7, 9, 10, 11, 12, 13]])
+    top1 = torch.tensor([[6, 7, 8, 10, 11, 12, 13, UNKNOWN]])
+    w = Windows(tokens, torch.zeros(1, 8, 1, 1), torch.zeros(1, 8, 1), top1)
+    rows_of = draft_row_index(list(range(16)), 16)
+    labels = block_labels(w, torch.tensor([[1, 3, 6]]), 5, rows_of)
+    assert labels.tolist() == [[[7, 8, -1, -1], [10, 11, 12, 13], [13, -1, -1, -1]]]
+
+
+def test_the_estimate_counts_the_blocks_its_labels_settle():
+    labels = torch.tensor([[3, 4, -1, -1], [3, 4, -1, -1], [3, 4, 5, 6], [3, 4, 5, 6]])
+    hits = torch.tensor([[True, False, False, False],  # rejected at a labelled row: 1
+                         [True, True, False, False],  # rejected past the labels: unsettled
+                         [True, True, True, True],  # all accepted: 4
+                         [False, True, True, True]])  # rejected first: 0
+    assert settled_lengths(hits, labels).tolist() == [1, 4, 0]
 
 
 @pytest.fixture(scope="module")

@@ -47,6 +47,7 @@ from spec_cli.train.eagle3_data import (
     draft_row_index,
     draft_rows,
     draft_vocabulary,
+    follows_target,
 )
 from spec_cli.train.loop import Loop, TrainResult, acceptance, train_and_estimate, window_batches
 
@@ -178,13 +179,19 @@ def block_states(head: DFlashHead, g: torch.Tensor, tokens: torch.Tensor, anchor
     return x.view(W, A, B, -1)
 
 
-def block_labels(top1: torch.Tensor, anchors: torch.Tensor, B: int, rows_of: torch.Tensor) -> torch.Tensor:
-    """top1 [W, T], anchors [W, A] -> the draft-vocabulary row each block row 1..B-1 should predict [W, A, B-1]
-    (the target's choice at a + k), -1 where it chose none there, past the window, or outside the draft vocabulary."""
-    T = top1.shape[1]
-    at = anchors[..., None] + torch.arange(B - 1, device=top1.device)  # top1 index of row k: a + k - 1
-    labels = top1.gather(1, at.clamp_max(T - 1).view(top1.shape[0], -1)).view(at.shape)
-    labels = torch.where((at < T) & (labels != UNKNOWN), labels, UNKNOWN)
+def block_labels(w: Windows, anchors: torch.Tensor, B: int, rows_of: torch.Tensor) -> torch.Tensor:
+    """anchors [W, A] of windows w -> the draft-vocabulary row each block row 1..B-1 should predict [W, A, B-1]:
+    the target's greedy continuation from the anchor, its choice of token a + k while the window's tokens a + 1 ..
+    a + k - 1 are its earlier choices (a block sees none of them, so past a token the target would not have
+    written, the window's later choices are not the block's); -1 where it chose none there, off its path, past the
+    window, or outside the draft vocabulary."""
+    T = w.top1.shape[1]
+    at = anchors[..., None] + torch.arange(B - 1, device=w.top1.device)  # top1 index of row k: a + k - 1
+    index = at.clamp_max(T - 1).view(w.top1.shape[0], -1)
+    labels = w.top1.gather(1, index).view(at.shape)
+    on_path = follows_target(w.tokens, w.top1).gather(1, index).view(at.shape).long().cumprod(-1).bool()
+    reached = torch.cat([torch.ones_like(on_path[..., :1]), on_path[..., :-1]], -1)  # a + 1 .. a + k - 1 on it
+    labels = torch.where((at < T) & reached & (labels != UNKNOWN), labels, UNKNOWN)
     return draft_rows(labels, rows_of)
 
 
@@ -203,7 +210,7 @@ def block_loss(head: DFlashHead, w: Windows, anchors: torch.Tensor, real: torch.
     """The decayed cross-entropy of the blocks at `anchors` ([W, A], `real` marks those that count) and the
     first row's top-1 agreement."""
     B = head.layout.block_size
-    labels = block_labels(w.top1, anchors, B, rows_of).masked_fill(~real[..., None], -1)  # [W, A, B - 1]
+    labels = block_labels(w, anchors, B, rows_of).masked_fill(~real[..., None], -1)  # [W, A, B - 1]
     with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
         states = block_states(head, head.fuse(w.features.float()), w.tokens, anchors)[:, :, 1:]
         valid = labels >= 0
@@ -219,22 +226,31 @@ def block_loss(head: DFlashHead, w: Windows, anchors: torch.Tensor, real: torch.
 
 def estimate(head: DFlashHead, held: Windows, rows_of: torch.Tensor, batch: int, n_anchors: int,
              seed: int) -> tuple[float, float]:
-    """Held-out (first-position acceptance, mean acceptance length of whole blocks): a block's draft token is
-    accepted when it is the target's greedy choice, as greedy verification accepts it; the length counts the
-    target's own token, over blocks whose every row has a label."""
+    """Held-out (first-position acceptance, mean acceptance length of blocks): a block's draft token is accepted
+    when it is the target's greedy continuation, as greedy verification accepts it; the length counts the target's
+    own token, over blocks whose length the labels settle (every row accepted, or the first rejected row labelled:
+    a block whose rows are all accepted up to the end of the labels, an answer's or the target's path, is left out)."""
     B, gen = head.layout.block_size, torch.Generator().manual_seed(seed)
     first, lengths = [], []
     with torch.no_grad():
         for b0 in range(0, held.tokens.shape[0], batch):
             w = held.select(slice(b0, b0 + batch))
             anchors, real = sample_anchors(w.top1, n_anchors, gen)
-            labels = block_labels(w.top1, anchors, B, rows_of).masked_fill(~real[..., None], -1)
+            labels = block_labels(w, anchors, B, rows_of).masked_fill(~real[..., None], -1)
             states = block_states(head, head.fuse(w.features.float()), w.tokens, anchors)[:, :, 1:]
             hits = head.output(head.out_norm(states)).argmax(-1) == labels  # [W, A, B - 1]
             first.append(hits[..., 0][labels[..., 0] >= 0])
-            whole = (labels >= 0).all(-1)
-            lengths.append(hits.long().cumprod(-1).sum(-1)[whole])
+            lengths.append(settled_lengths(hits, labels))
     return acceptance(first, lengths)
+
+
+def settled_lengths(hits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """hits, labels [..., B - 1] of blocks -> the accepted lengths (leading hits) of the blocks whose labels settle
+    them: every row accepted, or the first rejected row labelled (one rejected past the labels' end might have been
+    accepted)."""
+    accepted = hits.long().cumprod(-1).sum(-1)
+    rejected_row = labels.gather(-1, accepted.clamp_max(labels.shape[-1] - 1)[..., None])[..., 0]
+    return accepted[(accepted == labels.shape[-1]) | (rejected_row >= 0)]
 
 
 # --- the whole run ---------------------------------------------------------------------------------------------

@@ -56,6 +56,15 @@ def join(parts: list[Windows]) -> Windows:
     return Windows(*(torch.cat([getattr(p, f) for p in parts]) for f in Windows.__dataclass_fields__))
 
 
+def follows_target(tokens: torch.Tensor, top1: torch.Tensor) -> torch.Tensor:
+    """[N, T] bool: whether the window's next token is the target's greedy choice (tokens[p + 1] == top1[p]; False
+    at the last position and where the target chose none). Always so in the target's own answers; in code windows
+    the text leaves the target's path wherever the target would have written something else."""
+    follows = torch.zeros_like(top1, dtype=torch.bool)
+    follows[:, :-1] = (tokens[:, 1:] == top1[:, :-1]) & (top1[:, :-1] != UNKNOWN)
+    return follows
+
+
 def request_prompts(tokenizer: Tokenizer, reqs: list[Request], limit: int) -> list[list[int]]:
     """Each request as the model's chat (its turns, then the assistant's start), at most `limit` tokens."""
     out = []
