@@ -683,7 +683,7 @@ MTP_TRAIN_OPTIONS = {o.name: o for o in MTP_TRAIN[1]}
 # (docs/training.md), DFlash's qwen2.5-coder-1.5b within 2 hours
 EAGLE3_TRAIN_DEFAULTS = {"steps": 450, "data_tokens": 163840, "gen_tokens": 131072, "eval_tokens": 8192,
                          "draft_vocab": 16000, "ttt_steps": 4, "outtype": "q8_0"}
-DFLASH_TRAIN_DEFAULTS = {"steps": 300, "lr": 6e-4, "data_tokens": 65536, "gen_tokens": 49152, "eval_tokens": 8192,
+DFLASH_TRAIN_DEFAULTS = {"steps": 1200, "lr": 6e-4, "data_tokens": 65536, "gen_tokens": 49152, "eval_tokens": 8192,
                          "draft_vocab": 32000, "block_size": 8, "draft_layers": 1, "anchors": 16, "outtype": "q8_0"}
 TRAIN_DEFAULTS = {"eagle3": EAGLE3_TRAIN_DEFAULTS, "dflash": DFLASH_TRAIN_DEFAULTS, "mtp": {}}
 HEAD_TYPES = tuple(TRAIN_DEFAULTS)
