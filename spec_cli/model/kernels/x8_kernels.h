@@ -211,7 +211,7 @@ void dot_q4k_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* 
         __m256i sumi[R];  // per row lane: the block's sum of scale x sub-block sum
         if constexpr (VNNI) {
             const __m512i m4w = _mm512_set1_epi8(0xF);
-            // the scales as int16, word 4 c + s: row c's sub-block s (lo: 0..3, hi: 4..7)
+            // the scales as int16: sc_words[h] word 4 c + t is row c's sub-block 4 h + t
             const __m512i sc_words[2] = {_mm512_cvtepu8_epi16(sc_lo), _mm512_cvtepu8_epi16(sc_hi)};
             __m512i sum2[R];  // per 128-bit lane L: rows 2L, 2L + 1 of sub-block 2j, then of sub-block 2j + 1
             for (int r = 0; r < R; r++) sum2[r] = _mm512_setzero_si512();
@@ -222,7 +222,8 @@ void dot_q4k_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* 
                     lo[g] = _mm512_and_si512(bytes, m4w);
                     hi[g] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), m4w);
                 }
-                const __m512i scale = _mm512_permutexvar_epi16(_mm512_load_si512(Q4K_PAIR_SCALES.words[j % 2]), sc_words[j / 2]);
+                const __m512i pick = _mm512_load_si512(Q4K_PAIR_SCALES.words[j % 2]);
+                const __m512i scale = _mm512_permutexvar_epi16(pick, sc_words[j / 2]);
                 for (int r = 0; r < R; r++) {
                     const int8_t* y = q[r] + b * 256 + 64 * j;
                     __m512i p_lo = _mm512_setzero_si512(), p_hi = _mm512_setzero_si512();
