@@ -445,11 +445,11 @@ struct X32 {
     static constexpr int stored = W == Q8_0 ? 128 : 0;
 };
 
-// X8 groups of a 32-value block type against Q8_0/Q8_1: out[r * 8 + c] = dot(row c, activation row r). The
+// X8 groups of a 32-value block type against Q8_0/Q8_1: out[r * ldo + c] = dot(row c, activation row r). The
 // arithmetic of dot32_x8_avx2 lane by lane (the block's exact integer sum, then one fused multiply-add), so the
 // two give the same bits.
 template <int W>
-void dot32_x8_scalar(int R, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
+void dot32_x8_scalar(int R, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out, int64_t ldo) {
     using L = X32<W>;
     const int64_t K = a.K, nb = K / 32;
     for (int r = 0; r < R; r++) {
@@ -478,15 +478,15 @@ void dot32_x8_scalar(int R, const uint8_t* w, const ActRows& a, const int64_t* r
                 acc = std::fma(h2f(blk + 2 * c) * d[b], (float)sumi, acc);
                 if (L::has_min) accm = std::fma(h2f(blk + 16 + 2 * c), sa[b], accm);
             }
-            out[r * 8 + c] = L::has_min ? acc + accm : acc;
+            out[r * ldo + c] = L::has_min ? acc + accm : acc;
         }
     }
 }
 
-// Q4_K X8 groups against Q8_K: out[r * 8 + c] = dot(row c of the group, activation row r). The arithmetic of
+// Q4_K X8 groups against Q8_K: out[r * ldo + c] = dot(row c of the group, activation row r). The arithmetic of
 // x8_kernels.h dot_q4k_x8 row by row (exact integer sums per block, then one fused multiply-add per block), so the two
 // give the same bits.
-void dot_q4k_x8_scalar(int R, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
+void dot_q4k_x8_scalar(int R, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out, int64_t ldo) {
     const int64_t K = a.K, nb = K / 256;
     for (int r = 0; r < R; r++) {
         const int8_t* q = a.q + rows[r] * K;
@@ -515,15 +515,15 @@ void dot_q4k_x8_scalar(int R, const uint8_t* w, const ActRows& a, const int64_t*
                 acc = std::fma(h2f(blk + 2 * c) * d[b], (float)sumi, acc);
                 accm = std::fma(h2f(blk + 16 + 2 * c) * d[b], (float)summ, accm);
             }
-            out[r * 8 + c] = acc - accm;
+            out[r * ldo + c] = acc - accm;
         }
     }
 }
 
-// Q6_K X8 groups against Q8_K: out[r * 8 + c] = dot(row c of the group, activation row r). Per block the exact
+// Q6_K X8 groups against Q8_K: out[r * ldo + c] = dot(row c of the group, activation row r). Per block the exact
 // integer sum of scale x (codes . activation codes) less 32 x scale x (sums of the activation codes), then one fused
 // multiply-add, as x8_kernels.h dot_q6k_x8 computes it, so the two give the same bits.
-void dot_q6k_x8_scalar(int R, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
+void dot_q6k_x8_scalar(int R, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out, int64_t ldo) {
     const int64_t K = a.K, nb = K / 256;
     for (int r = 0; r < R; r++) {
         const int8_t* q = a.q + rows[r] * K;
@@ -541,7 +541,7 @@ void dot_q6k_x8_scalar(int R, const uint8_t* w, const ActRows& a, const int64_t*
                 }
                 acc = std::fma(h2f(blk + 2 * c) * d[b], (float)sumi, acc);
             }
-            out[r * 8 + c] = acc;
+            out[r * ldo + c] = acc;
         }
     }
 }
@@ -901,37 +901,37 @@ int register_rows() { return g_use_vnni ? 8 : 4; }
 
 #if SC_X86
 template <int R>
-void dot_x8_simd(int wtype, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
-    if (g_use_vnni) return x8_vnni::dot_x8<R>(wtype, w, a, rows, out);
-    if constexpr (R <= 4) x8_avx2::dot_x8<R>(wtype, w, a, rows, out);  // (register_rows: never more rows)
+void dot_x8_simd(int wtype, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out, int64_t ldo) {
+    if (g_use_vnni) return x8_vnni::dot_x8<R>(wtype, w, a, rows, out, ldo);
+    if constexpr (R <= 4) x8_avx2::dot_x8<R>(wtype, w, a, rows, out, ldo);  // (register_rows: never more rows)
 }
 #endif
 
 
-// R <= register_rows() activation rows against one group of an X8 segment: out[r * 8 + c]
-void dot_x8_rows(int R, int wtype, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
+// R <= register_rows() activation rows against one group of an X8 segment: out[r * ldo + c]
+void dot_x8_rows(int R, int wtype, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out, int64_t ldo) {
 #if SC_X86
     if (g_use_avx2) {
         switch (R) {
-            case 1: return dot_x8_simd<1>(wtype, w, a, rows, out);
-            case 2: return dot_x8_simd<2>(wtype, w, a, rows, out);
-            case 3: return dot_x8_simd<3>(wtype, w, a, rows, out);
-            case 4: return dot_x8_simd<4>(wtype, w, a, rows, out);
-            case 5: return dot_x8_simd<5>(wtype, w, a, rows, out);
-            case 6: return dot_x8_simd<6>(wtype, w, a, rows, out);
-            case 7: return dot_x8_simd<7>(wtype, w, a, rows, out);
-            default: return dot_x8_simd<8>(wtype, w, a, rows, out);
+            case 1: return dot_x8_simd<1>(wtype, w, a, rows, out, ldo);
+            case 2: return dot_x8_simd<2>(wtype, w, a, rows, out, ldo);
+            case 3: return dot_x8_simd<3>(wtype, w, a, rows, out, ldo);
+            case 4: return dot_x8_simd<4>(wtype, w, a, rows, out, ldo);
+            case 5: return dot_x8_simd<5>(wtype, w, a, rows, out, ldo);
+            case 6: return dot_x8_simd<6>(wtype, w, a, rows, out, ldo);
+            case 7: return dot_x8_simd<7>(wtype, w, a, rows, out, ldo);
+            default: return dot_x8_simd<8>(wtype, w, a, rows, out, ldo);
         }
     }
 #endif
     switch (wtype - X8) {
-        case Q4_0: return dot32_x8_scalar<Q4_0>(R, w, a, rows, out);
-        case Q4_1: return dot32_x8_scalar<Q4_1>(R, w, a, rows, out);
-        case Q5_0: return dot32_x8_scalar<Q5_0>(R, w, a, rows, out);
-        case Q5_1: return dot32_x8_scalar<Q5_1>(R, w, a, rows, out);
-        case Q8_0: return dot32_x8_scalar<Q8_0>(R, w, a, rows, out);
-        case Q4_K: return dot_q4k_x8_scalar(R, w, a, rows, out);
-        case Q6_K: return dot_q6k_x8_scalar(R, w, a, rows, out);
+        case Q4_0: return dot32_x8_scalar<Q4_0>(R, w, a, rows, out, ldo);
+        case Q4_1: return dot32_x8_scalar<Q4_1>(R, w, a, rows, out, ldo);
+        case Q5_0: return dot32_x8_scalar<Q5_0>(R, w, a, rows, out, ldo);
+        case Q5_1: return dot32_x8_scalar<Q5_1>(R, w, a, rows, out, ldo);
+        case Q8_0: return dot32_x8_scalar<Q8_0>(R, w, a, rows, out, ldo);
+        case Q4_K: return dot_q4k_x8_scalar(R, w, a, rows, out, ldo);
+        case Q6_K: return dot_q6k_x8_scalar(R, w, a, rows, out, ldo);
     }
 }
 
@@ -1089,7 +1089,18 @@ int sc_linear(const ScLinear* w, const float* x, int64_t M, float* y, int64_t ld
                 for (int64_t m = m0; m < m1; m += max_r) {
                     const int R = (int)std::min<int64_t>(max_r, m1 - m);
                     for (int r = 0; r < R; r++) rows[r] = m + r;
-                    if (x8) dot_x8_rows(R, wt, w_at, a, rows, out);
+                    if (x8 && n == first && end == first + 8) {  // a whole group: the kernel stores into y
+                        // (copied through `out`, a store-forwarding stall and a memcpy call per row: ~5 % of a pass)
+                        dot_x8_rows(R, wt, w_at, a, rows, y + m * ldy + n, ldy);
+                        for (int r = 0; r < R && bias; r++) {  // through a local copy: y and bias may alias
+                            float v[8];
+                            std::memcpy(v, y + (m + r) * ldy + n, sizeof v);
+                            for (int j = 0; j < 8; j++) v[j] += bias[n + j];
+                            std::memcpy(y + (m + r) * ldy + n, v, sizeof v);
+                        }
+                        continue;
+                    }
+                    if (x8) dot_x8_rows(R, wt, w_at, a, rows, out, 8);
                     else dot_rows(R, wt, w_at, a, rows, out);
                     for (int r = 0; r < R; r++) {
                         for (int64_t col = n; col < end; col++) {

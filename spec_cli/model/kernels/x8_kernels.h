@@ -55,7 +55,7 @@ inline __m256i fifth_bits(__m256i qh, int j) {
 // multiply as unsigned bytes (Q8_0: magnitudes, the signs moved to the activations) and the block's offset comes
 // off the exact integer sum as offset x (sum of the activation codes).
 template <int R, int W>
-void dot32_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
+void dot32_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* out, int64_t ldo) {
     using L = X32<W>;
     const int64_t K = a.K, nb = K / 32;
     __m256 acc[R], accm[R];
@@ -132,7 +132,7 @@ void dot32_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* ou
             }
         }
     }
-    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, L::has_min ? _mm256_add_ps(acc[r], accm[r]) : acc[r]);
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * ldo, L::has_min ? _mm256_add_ps(acc[r], accm[r]) : acc[r]);
 }
 
 // byte s (0..3) of each 32-bit lane of v, as the lane's int16 pair (byte, byte): vpmaddwd sums the pair's two
@@ -173,7 +173,7 @@ inline constexpr PairScales Q4K_PAIR_SCALES = q4k_pair_scales();
 // adds each lane pair too); the block's integer sum meets the float scales once. Integer sums are exact, so every
 // form gives the bits of the scalar twin.
 template <int R>
-void dot_q4k_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
+void dot_q4k_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* out, int64_t ldo) {
     const int64_t K = a.K, nb = K / 256;
     __m256 acc[R], accm[R];
     const int8_t* q[R];
@@ -299,7 +299,7 @@ void dot_q4k_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* 
             accm[r] = _mm256_fmadd_ps(_mm256_mul_ps(dminw, da), _mm256_cvtepi32_ps(summ), accm[r]);
         }
     }
-    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, _mm256_sub_ps(acc[r], accm[r]));
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * ldo, _mm256_sub_ps(acc[r], accm[r]));
 }
 
 // Q6_K X8 groups (kernels.cpp Q6K_X8) against Q8_K (R activation rows). Per sub-block of 16 values: the two 8-byte
@@ -364,7 +364,7 @@ inline void q6k_subblock_avx2(const uint8_t* blk, int t, const int8_t* const* y,
 }
 
 template <int R>
-void dot_q6k_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
+void dot_q6k_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* out, int64_t ldo) {
     const int64_t K = a.K, nb = K / 256;
     __m256 acc[R];
     const int8_t* q[R];
@@ -426,19 +426,19 @@ void dot_q6k_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* 
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(d[r][b])), _mm256_cvtepi32_ps(s), acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * ldo, acc[r]);
 }
 
 template <int R>
-void dot_x8(int wtype, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out) {
+void dot_x8(int wtype, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out, int64_t ldo) {
     switch (wtype - X8) {
-        case Q4_0: return dot32_x8<R, Q4_0>(w, a, rows, out);
-        case Q4_1: return dot32_x8<R, Q4_1>(w, a, rows, out);
-        case Q5_0: return dot32_x8<R, Q5_0>(w, a, rows, out);
-        case Q5_1: return dot32_x8<R, Q5_1>(w, a, rows, out);
-        case Q8_0: return dot32_x8<R, Q8_0>(w, a, rows, out);
-        case Q4_K: return dot_q4k_x8<R>(w, a, rows, out);
-        case Q6_K: return dot_q6k_x8<R>(w, a, rows, out);
+        case Q4_0: return dot32_x8<R, Q4_0>(w, a, rows, out, ldo);
+        case Q4_1: return dot32_x8<R, Q4_1>(w, a, rows, out, ldo);
+        case Q5_0: return dot32_x8<R, Q5_0>(w, a, rows, out, ldo);
+        case Q5_1: return dot32_x8<R, Q5_1>(w, a, rows, out, ldo);
+        case Q8_0: return dot32_x8<R, Q8_0>(w, a, rows, out, ldo);
+        case Q4_K: return dot_q4k_x8<R>(w, a, rows, out, ldo);
+        case Q6_K: return dot_q6k_x8<R>(w, a, rows, out, ldo);
     }
 }
 
