@@ -20,10 +20,10 @@ from spec_cli.train.dflash import (
     block_labels,
     block_states,
     default_layers,
-    settled_lengths,
     train,
 )
 from spec_cli.train.eagle3_data import UNKNOWN, Windows, draft_row_index
+from spec_cli.train.loop import settled_lengths
 from tests.draft_recorder import record_drafts
 from tests.head_checks import (
     GGUFContents,
@@ -56,12 +56,13 @@ def test_block_rows_follow_the_targets_path_and_stop_where_the_text_leaves_it():
 
 
 def test_the_estimate_counts_the_blocks_its_labels_settle():
-    labels = torch.tensor([[3, 4, -1, -1], [3, 4, -1, -1], [3, 4, 5, 6], [3, 4, 5, 6]])
+    labelled = torch.tensor([[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1], [1, 0, 1, 1]]).bool()
     hits = torch.tensor([[True, False, False, False],  # rejected at a labelled row: 1
                          [True, True, False, False],  # rejected past the labels: unsettled
                          [True, True, True, True],  # all accepted: 4
-                         [False, True, True, True]])  # rejected first: 0
-    assert settled_lengths(hits, labels).tolist() == [1, 4, 0]
+                         [False, True, True, True],  # rejected first: 0
+                         [True, True, True, True]])  # a hit where nothing is known is no acceptance: unsettled
+    assert settled_lengths(hits, labelled).tolist() == [1, 4, 0]
 
 
 @pytest.fixture(scope="module")

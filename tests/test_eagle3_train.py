@@ -35,6 +35,17 @@ CFG = Eagle3TrainConfig(steps=200, lr=3e-3, seq_len=32, batch=4, data_tokens=32 
                         eval_tokens=32 * 8, ttt_steps=3, draft_vocab=150, checkpoint_every=50)
 
 
+def test_the_estimate_drafts_along_the_targets_path():
+    # the target would have written 8 after [5, 6, 7]; the text goes on with 9. The draft anchored at position 1
+    # (fed 7) predicts 8; its next step would be fed 8 at run time and the window's 9 in the estimate: not counted
+    tokens = torch.tensor([[5, 6, 7, 9, 10, 11, 12, 13]])
+    top1 = torch.tensor([[6, 7, 8, 10, 11, 12, 13, eagle3_data.UNKNOWN]])
+    w = eagle3_data.Windows(tokens, torch.zeros(1, 8, 1, 1), torch.zeros(1, 8, 1), top1)
+    anchors = torch.tensor([[1, 2, 5]])
+    targets = eagle3_data.path_targets(w, anchors + 1, 3)  # a draft at anchor a is fed the token at a + 1
+    assert targets.tolist() == [[[8, -1, -1], [10, 11, 12], [13, -1, -1]]]
+
+
 @pytest.fixture(scope="module")
 def target_path(tmp_path_factory):
     return write_tiny_gguf(tmp_path_factory.mktemp("train") / "target.gguf", arch="llama", seed=11, n_layer=4)

@@ -47,9 +47,9 @@ from spec_cli.train.eagle3_data import (
     draft_row_index,
     draft_rows,
     draft_vocabulary,
-    follows_target,
+    path_targets,
 )
-from spec_cli.train.loop import Loop, TrainResult, acceptance, train_and_estimate, window_batches
+from spec_cli.train.loop import Loop, TrainResult, acceptance, settled_lengths, train_and_estimate, window_batches
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # SpecForge's loss decay per block size; others: B / 2
 
@@ -181,18 +181,10 @@ def block_states(head: DFlashHead, g: torch.Tensor, tokens: torch.Tensor, anchor
 
 def block_labels(w: Windows, anchors: torch.Tensor, B: int, rows_of: torch.Tensor) -> torch.Tensor:
     """anchors [W, A] of windows w -> the draft-vocabulary row each block row 1..B-1 should predict [W, A, B-1]:
-    the target's greedy continuation from the anchor, its choice of token a + k while the window's tokens a + 1 ..
-    a + k - 1 are its earlier choices (a block sees none of them, so past a token the target would not have
-    written, the window's later choices are not the block's); -1 where it chose none there, off its path, past the
-    window, or outside the draft vocabulary."""
-    T = w.top1.shape[1]
-    at = anchors[..., None] + torch.arange(B - 1, device=w.top1.device)  # top1 index of row k: a + k - 1
-    index = at.clamp_max(T - 1).view(w.top1.shape[0], -1)
-    labels = w.top1.gather(1, index).view(at.shape)
-    on_path = follows_target(w.tokens, w.top1).gather(1, index).view(at.shape).long().cumprod(-1).bool()
-    reached = torch.cat([torch.ones_like(on_path[..., :1]), on_path[..., :-1]], -1)  # a + 1 .. a + k - 1 on it
-    labels = torch.where((at < T) & reached & (labels != UNKNOWN), labels, UNKNOWN)
-    return draft_rows(labels, rows_of)
+    the target's greedy continuation along its path (path_targets; a block sees none of the window's tokens after
+    its anchor, so past a token the target would not have written the window's later choices are not the block's);
+    -1 where there is none or it lies outside the draft vocabulary."""
+    return draft_rows(path_targets(w, anchors, B - 1), rows_of)
 
 
 def sample_anchors(top1: torch.Tensor, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,21 +228,13 @@ def estimate(head: DFlashHead, held: Windows, rows_of: torch.Tensor, batch: int,
         for b0 in range(0, held.tokens.shape[0], batch):
             w = held.select(slice(b0, b0 + batch))
             anchors, real = sample_anchors(w.top1, n_anchors, gen)
-            labels = block_labels(w, anchors, B, rows_of).masked_fill(~real[..., None], -1)
+            targets = path_targets(w, anchors, B - 1).masked_fill(~real[..., None], UNKNOWN)  # [W, A, B - 1]
             states = block_states(head, head.fuse(w.features.float()), w.tokens, anchors)[:, :, 1:]
-            hits = head.output(head.out_norm(states)).argmax(-1) == labels  # [W, A, B - 1]
-            first.append(hits[..., 0][labels[..., 0] >= 0])
-            lengths.append(settled_lengths(hits, labels))
+            hits = head.output(head.out_norm(states)).argmax(-1) == draft_rows(targets, rows_of)
+            labelled = targets != UNKNOWN  # (a token outside the draft vocabulary is labelled, never hit)
+            first.append(hits[..., 0][labelled[..., 0]])
+            lengths.append(settled_lengths(hits, labelled))
     return acceptance(first, lengths)
-
-
-def settled_lengths(hits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """hits, labels [..., B - 1] of blocks -> the accepted lengths (leading hits) of the blocks whose labels settle
-    them: every row accepted, or the first rejected row labelled (one rejected past the labels' end might have been
-    accepted)."""
-    accepted = hits.long().cumprod(-1).sum(-1)
-    rejected_row = labels.gather(-1, accepted.clamp_max(labels.shape[-1] - 1)[..., None])[..., 0]
-    return accepted[(accepted == labels.shape[-1]) | (rejected_row >= 0)]
 
 
 # --- the whole run ---------------------------------------------------------------------------------------------

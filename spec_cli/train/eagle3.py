@@ -48,8 +48,9 @@ from spec_cli.train.eagle3_data import (
     draft_rows,
     draft_vocabulary,
     held_out_windows,
+    path_targets,
 )
-from spec_cli.train.loop import Loop, TrainResult, acceptance, train_and_estimate, window_batches
+from spec_cli.train.loop import Loop, TrainResult, acceptance, settled_lengths, train_and_estimate, window_batches
 
 STEP_DECAY = 0.8  # weight of training-time-test step j: 0.8^j
 RIDGE_ROWS = 16384  # positions the fc init is fitted on
@@ -230,20 +231,23 @@ def ttt_loss(head: Eagle3Head, teacher: Teacher, w: Windows, n_steps: int, bf16:
 
 def estimate(head: Eagle3Head, teacher: Teacher, held: Windows, cfg: Eagle3TrainConfig) -> tuple[float, float]:
     """Held-out (first-position acceptance, mean acceptance length at drafts of cfg.eval_draft tokens): a draft
-    token is accepted when it is the target's greedy next token, as greedy verification accepts it."""
+    token is accepted when it is the target's greedy next token, as greedy verification accepts it. Step j >= 1 is
+    fed the window's token where run time feeds the draft's own last one, so it counts only while the window
+    follows the target's path (path_targets), over the drafts that path settles (settled_lengths)."""
     n = cfg.eval_draft
     first, lengths = [], []
     with torch.no_grad():
         for b0 in range(0, held.tokens.shape[0], cfg.batch):
             w = held.select(slice(b0, b0 + cfg.batch))
-            T = w.tokens.shape[1]
+            B, T = w.tokens.shape
             states = ttt_states(head, w.tokens, head.fuse(w.features.float()), n)
-            rows = teacher.rows_of(w.top1)
-            hits = torch.stack([head.output(head.out_norm(h[:, : T - n])).argmax(-1) == rows[:, j + 1 : T - n + j + 1]
-                                for j, h in enumerate(states)], dim=-1)  # [B, T - n, n]
-            known = (w.top1[:, 1:] != UNKNOWN).unfold(1, n, 1)[:, : T - n].all(-1)  # every draft position chosen
-            first.append(hits[..., 0][w.top1[:, 1 : T - n + 1] != UNKNOWN])
-            lengths.append(hits.long().cumprod(-1).sum(-1)[known])
+            # the draft at anchor a (features of a, token a + 1) predicts top1 at a + 1 .. a + n
+            targets = path_targets(w, torch.arange(1, T - n + 1).expand(B, T - n), n)  # [B, T - n, n]
+            drafted = torch.stack([head.output(head.out_norm(h[:, : T - n])).argmax(-1) for h in states], dim=-1)
+            hits = drafted == teacher.rows_of(targets)
+            labelled = targets != UNKNOWN  # (a token outside the draft vocabulary is labelled, never hit)
+            first.append(hits[..., 0][labelled[..., 0]])
+            lengths.append(settled_lengths(hits, labelled))
     return acceptance(first, lengths)
 
 

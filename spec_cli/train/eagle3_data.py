@@ -65,6 +65,21 @@ def follows_target(tokens: torch.Tensor, top1: torch.Tensor) -> torch.Tensor:
     return follows
 
 
+def path_targets(w: Windows, starts: torch.Tensor, n: int) -> torch.Tensor:
+    """starts [W, A] of windows w -> the target's greedy tokens at the n positions after each start [W, A, n]: draft
+    position k (0-based) predicts its choice after s + k (top1 at s + k) while the window's tokens s + 1 .. s + k are
+    its earlier choices (a drafter that sees none of them cannot follow a text that leaves the target's path); UNKNOWN
+    where it chose none there, off its path, or past the window. A DFlash block anchored at s drafts these; an
+    EAGLE-3 draft whose first step is fed the token at s (and the features before it) too."""
+    T = w.top1.shape[1]
+    at = starts[..., None] + torch.arange(n, device=w.top1.device)
+    index = at.clamp_max(T - 1).view(w.top1.shape[0], -1)
+    tokens = w.top1.gather(1, index).view(at.shape)
+    on_path = follows_target(w.tokens, w.top1).gather(1, index).view(at.shape).long().cumprod(-1).bool()
+    reached = torch.cat([torch.ones_like(on_path[..., :1]), on_path[..., :-1]], -1)  # s + 1 .. s + k on it
+    return torch.where((at < T) & reached, tokens, UNKNOWN)
+
+
 def request_prompts(tokenizer: Tokenizer, reqs: list[Request], limit: int) -> list[list[int]]:
     """Each request as the model's chat (its turns, then the assistant's start), at most `limit` tokens."""
     out = []

@@ -108,6 +108,17 @@ def acceptance(first: list[torch.Tensor], lengths: list[torch.Tensor]) -> tuple[
             1.0 + lengths_t.mean().item() if lengths_t.numel() else 1.0)
 
 
+def settled_lengths(hits: torch.Tensor, labelled: torch.Tensor) -> torch.Tensor:
+    """hits, labelled [..., n] of drafts (whether each draft position equals the target's token, whether the data
+    says what that token is) -> the accepted lengths (leading labelled hits) of the drafts the labels settle: every
+    position accepted, or the first rejected one labelled (one rejected where nothing says what the target would
+    have chosen might have been accepted)."""
+    accepted = (hits & labelled).long().cumprod(-1).sum(-1)
+    n = labelled.shape[-1]
+    rejected_is_labelled = labelled.gather(-1, accepted.clamp_max(n - 1)[..., None])[..., 0]
+    return accepted[(accepted == n) | rejected_is_labelled]
+
+
 def train_and_estimate(loop: Loop, batch_loss: BatchLoss, estimate: Estimate, progress: ProgressFn | None,
                        t0: float, out_path: Path, train_tokens: int, gen_tokens: int,
                        eval_tokens: int) -> TrainResult:
