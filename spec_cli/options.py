@@ -644,9 +644,9 @@ SERVER = ("Server", [
 
 SERVER_OPTIONS = {o.name: o for o in SERVER[1]}
 
-# Types a trained head's matrices are written in (draft-train --outtype; llama.cpp's converter's names). Q4_0 costs
-# an EAGLE-3 head for qwen2.5-coder-1.5b 0.08 of a target forward instead of Q8_0's 0.11, with the same acceptance
-# (docs/training.md).
+# Types a trained head's matrices are written in (draft-train --outtype; llama.cpp's converter's names). Q4_0, the
+# EAGLE-3 default, costs a head for qwen2.5-coder-1.5b 0.08 of a target forward instead of Q8_0's 0.11, accepting
+# 1.6 % fewer drafts (docs/training.md); DFlash keeps Q8_0 (one block of 8: 0.16 of a target forward).
 HEAD_OUT_TYPES = ("f32", "f16", "q8_0", "q5_0", "q4_0")
 
 # `spec-cli mtp-train`: train/mtp.py TrainConfig takes its defaults from here
@@ -682,7 +682,7 @@ MTP_TRAIN_OPTIONS = {o.name: o for o in MTP_TRAIN[1]}
 # them through `train_default`): EAGLE-3's sized to train qwen2.5-coder-1.5b within 90 minutes on a 2-core CPU
 # (docs/training.md), DFlash's qwen2.5-coder-1.5b within 2 hours
 EAGLE3_TRAIN_DEFAULTS = {"steps": 450, "data_tokens": 163840, "gen_tokens": 131072, "eval_tokens": 8192,
-                         "draft_vocab": 16000, "ttt_steps": 4, "outtype": "q8_0"}
+                         "draft_vocab": 16000, "ttt_steps": 4, "outtype": "q4_0"}
 DFLASH_TRAIN_DEFAULTS = {"steps": 1200, "lr": 6e-4, "data_tokens": 65536, "gen_tokens": 49152, "eval_tokens": 8192,
                          "draft_vocab": 32000, "block_size": 8, "draft_layers": 1, "anchors": 16, "outtype": "q8_0"}
 TRAIN_DEFAULTS = {"eagle3": EAGLE3_TRAIN_DEFAULTS, "dflash": DFLASH_TRAIN_DEFAULTS, "mtp": {}}
