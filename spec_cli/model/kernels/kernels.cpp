@@ -242,7 +242,8 @@ enum : int { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
 // 6-bit codes v rebuilt into 8-byte units per row (row c at 8 c) as Q4_K's runs are: 16 runs of 64 bytes of low
 // nibbles, run t holding values 16 t .. 16 t + 7 (low nibbles) and 16 t + 8 .. 16 t + 15 (high nibbles) of sub-block
 // t, then 8 runs of 64 bytes of the 2 high bits, run u holding at bits 2 k, 2 k + 1 those of values 32 u + 8 k + i
-// (i = 0..7). One 64-byte load then holds 8 consecutive values of all 8 rows.
+// (i = 0..7). One 64-byte load then holds 8 consecutive values of all 8 rows. Beside the rows, per group block one
+// int32 per row (sc_pack_x8's sums), read only by the VNNI products of several activation rows.
 constexpr int X8 = 256;
 
 // A Q6_K X8 group block: offsets of the scales, the low-nibble runs and the high-bit runs
@@ -321,6 +322,7 @@ struct ActRows {
     const float* d;  // [M, K / block]
     const int16_t* isum;  // [M, K / 256 * 24] (Q8_K) or [M, K / 32]
     const float* s;  // [M, K / 32] (Q8_1)
+    const uint8_t* qu = nullptr;  // [M, K]: q + 128 (Q8_K, for the VNNI Q6_K products of 2 or more rows)
     int64_t nd() const { return K / (kind == ACT_Q8_K ? 256 : 32); }
     int64_t ns() const { return kind == ACT_Q8_K ? K / 256 * 24 : K / 32; }
 };
@@ -901,26 +903,29 @@ int register_rows() { return g_use_vnni ? 8 : 4; }
 
 #if SC_X86
 template <int R>
-void dot_x8_simd(int wtype, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out, int64_t ldo) {
-    if (g_use_vnni) return x8_vnni::dot_x8<R>(wtype, w, a, rows, out, ldo);
-    if constexpr (R <= 4) x8_avx2::dot_x8<R>(wtype, w, a, rows, out, ldo);  // (register_rows: never more rows)
+void dot_x8_simd(int wtype, const uint8_t* w, const int32_t* sums, const ActRows& a, const int64_t* rows, float* out,
+                 int64_t ldo) {
+    if (g_use_vnni) return x8_vnni::dot_x8<R>(wtype, w, sums, a, rows, out, ldo);
+    if constexpr (R <= 4) x8_avx2::dot_x8<R>(wtype, w, sums, a, rows, out, ldo);  // (register_rows: never more rows)
 }
 #endif
 
 
-// R <= register_rows() activation rows against one group of an X8 segment: out[r * ldo + c]
-void dot_x8_rows(int R, int wtype, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out, int64_t ldo) {
+// R <= register_rows() activation rows against one group of an X8 segment (Q6_K: its sums, sc_pack_x8):
+// out[r * ldo + c]
+void dot_x8_rows(int R, int wtype, const uint8_t* w, const int32_t* sums, const ActRows& a, const int64_t* rows,
+                 float* out, int64_t ldo) {
 #if SC_X86
     if (g_use_avx2) {
         switch (R) {
-            case 1: return dot_x8_simd<1>(wtype, w, a, rows, out, ldo);
-            case 2: return dot_x8_simd<2>(wtype, w, a, rows, out, ldo);
-            case 3: return dot_x8_simd<3>(wtype, w, a, rows, out, ldo);
-            case 4: return dot_x8_simd<4>(wtype, w, a, rows, out, ldo);
-            case 5: return dot_x8_simd<5>(wtype, w, a, rows, out, ldo);
-            case 6: return dot_x8_simd<6>(wtype, w, a, rows, out, ldo);
-            case 7: return dot_x8_simd<7>(wtype, w, a, rows, out, ldo);
-            default: return dot_x8_simd<8>(wtype, w, a, rows, out, ldo);
+            case 1: return dot_x8_simd<1>(wtype, w, sums, a, rows, out, ldo);
+            case 2: return dot_x8_simd<2>(wtype, w, sums, a, rows, out, ldo);
+            case 3: return dot_x8_simd<3>(wtype, w, sums, a, rows, out, ldo);
+            case 4: return dot_x8_simd<4>(wtype, w, sums, a, rows, out, ldo);
+            case 5: return dot_x8_simd<5>(wtype, w, sums, a, rows, out, ldo);
+            case 6: return dot_x8_simd<6>(wtype, w, sums, a, rows, out, ldo);
+            case 7: return dot_x8_simd<7>(wtype, w, sums, a, rows, out, ldo);
+            default: return dot_x8_simd<8>(wtype, w, sums, a, rows, out, ldo);
         }
     }
 #endif
@@ -938,6 +943,7 @@ void dot_x8_rows(int R, int wtype, const uint8_t* w, const ActRows& a, const int
 // per-thread scratch for quantized activations, reused between calls
 struct ActBuffers {
     std::vector<int8_t> q;
+    std::vector<uint8_t> qu;
     std::vector<float> d, s;
     std::vector<int16_t> isum;
 };
@@ -1039,6 +1045,7 @@ struct ScLinear {
     int64_t n_out[MAX_SEG];
     int64_t K;
     const float* bias;
+    const int32_t* sums[MAX_SEG];  // Q6_K X8 segments: sc_pack_x8's sums; else null
 };
 
 // y[M, ldy] (columns [0, sum n_out)) = x[M, K] times the weights transposed, plus the bias. 0 = done.
@@ -1059,6 +1066,12 @@ int sc_linear(const ScLinear* w, const float* x, int64_t M, float* y, int64_t ld
         const int kind = act_of(wtypes[i]);
         if (kind < 0 || K % block_size(wtypes[i]) != 0 || K % 32 != 0) return 2;
         if (!have[kind]) { acts[kind] = quantize_rows(kind, x, M, K, bufs[kind]); have[kind] = true; }
+        if (wtypes[i] == X8 + Q6_K && g_use_vnni && M > 1 && !acts[kind].qu) {  // (x8_kernels.h dot_q6k_x8)
+            std::vector<uint8_t>& qu = bufs[kind].qu;
+            qu.resize(M * K);
+            for (int64_t j = 0; j < M * K; j++) qu[j] = (uint8_t)(acts[kind].q[j] ^ 0x80);
+            acts[kind].qu = qu.data();
+        }
         col0[i + 1] = col0[i] + n_out[i];
         seg_bytes[i] = row_bytes(wtypes[i], K);
     }
@@ -1086,12 +1099,13 @@ int sc_linear(const ScLinear* w, const float* x, int64_t M, float* y, int64_t ld
                 const int64_t end = x8 ? std::min({n1, first + 8, col0[seg + 1]}) : n + 1;
                 const int width = x8 ? 8 : 1, max_r = x8 ? register_rows() : MAX_R;
                 const uint8_t* w_at = (const uint8_t*)weights[seg] + (first - col0[seg]) * seg_bytes[seg];
+                const int32_t* sums_at = w->sums[seg] ? w->sums[seg] + (first - col0[seg]) * (K / 256) : nullptr;
                 for (int64_t m = m0; m < m1; m += max_r) {
                     const int R = (int)std::min<int64_t>(max_r, m1 - m);
                     for (int r = 0; r < R; r++) rows[r] = m + r;
                     if (x8 && n == first && end == first + 8) {  // a whole group: the kernel stores into y
                         // (copied through `out`, a store-forwarding stall and a memcpy call per row: ~5 % of a pass)
-                        dot_x8_rows(R, wt, w_at, a, rows, y + m * ldy + n, ldy);
+                        dot_x8_rows(R, wt, w_at, sums_at, a, rows, y + m * ldy + n, ldy);
                         for (int r = 0; r < R && bias; r++) {  // through a local copy: y and bias may alias
                             float v[8];
                             std::memcpy(v, y + (m + r) * ldy + n, sizeof v);
@@ -1100,7 +1114,7 @@ int sc_linear(const ScLinear* w, const float* x, int64_t M, float* y, int64_t ld
                         }
                         continue;
                     }
-                    if (x8) dot_x8_rows(R, wt, w_at, a, rows, out, 8);
+                    if (x8) dot_x8_rows(R, wt, w_at, sums_at, a, rows, out, 8);
                     else dot_rows(R, wt, w_at, a, rows, out);
                     for (int r = 0; r < R; r++) {
                         for (int64_t col = n; col < end; col++) {
@@ -1372,7 +1386,9 @@ const std::vector<Field>* x8_fields(int wtype) {
 // the 6-bit codes of 8 Q6_K blocks (row c's at rows + c * stride) into a Q6_K X8 group block's runs (Q6K_X8). A row's
 // codes are decoded once, then placed 8 at a time: values 8 m .. 8 m + 7 sit in consecutive bytes of both runs, at
 // the same shifts (q6k_x8_slot). Value per value through the slot map, this was a third of a 1.5b's load time.
-void pack_q6k_codes(const uint8_t* rows, int64_t stride, uint8_t* block) {
+// sums[c] = 128 x the sum over the block's sub-blocks j of row c's scale j x (its codes of j - 32 summed): what the
+// VNNI products of 2 or more rows take off per block (x8_kernels.h dot_q6k_x8)
+void pack_q6k_codes(const uint8_t* rows, int64_t stride, uint8_t* block, int32_t* sums) {
     std::memset(block + Q6K_X8::nibbles, 0, Q6K_X8::bytes - Q6K_X8::nibbles);
     for (int c = 0; c < 8; c++) {
         const uint8_t* src = rows + c * stride;
@@ -1387,6 +1403,12 @@ void pack_q6k_codes(const uint8_t* rows, int64_t stride, uint8_t* block) {
                 for (int l = 0; l < 32; l++) out[l] = (ql[l] >> (4 * (k / 2)) & 0xF) | (qh[l] >> (2 * k) & 3) << 4;
             }
         }
+        sums[c] = 0;
+        for (int j = 0; j < 16; j++) {
+            int sub = 0;
+            for (int i = 16 * j; i < 16 * j + 16; i++) sub += code[i] - 32;
+            sums[c] += 128 * (int8_t)src[192 + j] * sub;
+        }
         for (int m = 0; m < 32; m++) {
             const Q6KSlot at = q6k_x8_slot(c, 8 * m);
             for (int u = 0; u < 8; u++) {
@@ -1398,10 +1420,12 @@ void pack_q6k_codes(const uint8_t* rows, int64_t stride, uint8_t* block) {
 }
 
 // rows src [N, row_bytes] of a type listed at X8 -> dst [ceil(N / 8) * 8, row_bytes] in its X8 layout, the rows
-// past N zeros. 0 = done, 1 = a type without an X8 layout.
-int sc_pack_x8(int wtype, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst) {
+// past N zeros; Q6_K also sums [ceil(N / 8), K / 256, 8] (pack_q6k_codes). 0 = done, 1 = a type without an X8
+// layout, 2 = Q6_K without sums.
+int sc_pack_x8(int wtype, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst, int32_t* sums) {
     const std::vector<Field>* fields = x8_fields(wtype);
     if (!fields) return 1;
+    if (wtype == Q6_K && !sums) return 2;
     const int64_t bs = row_bytes(wtype, block_size(wtype)), nb = K / block_size(wtype), rb = nb * bs;
     const std::function<void(int64_t)> fn = [&](int64_t group) {
         const uint8_t* rows = src + 8 * group * rb;
@@ -1421,7 +1445,7 @@ int sc_pack_x8(int wtype, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst
                 }
                 o += 8 * f.bytes;
             }
-            if (wtype == Q6_K) pack_q6k_codes(rows + b * bs, rb, block);
+            if (wtype == Q6_K) pack_q6k_codes(rows + b * bs, rb, block, sums + (group * nb + b) * 8);
             if (wtype == Q8_0) {  // signed codes -> unsigned (mod 256)
                 for (int i = 0; i < 256; i++) block[X32<Q8_0>::codes + i] += X32<Q8_0>::stored;
             }

@@ -308,7 +308,11 @@ void dot_q4k_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* 
 // summed into the row's two 32-bit lanes (vpdpwssd; AVX2 vpmaddwd + vpaddd, 4 rows a vector): 3 multiply
 // instructions per 128 products where vpmaddubsw + vpdpwssd over the file's layout took 4 per 64, and the weights'
 // unpacking shared by the activation rows. The codes' -32 offset comes off per block as 32 x the scales times the
-// activation's sums of 16 (q6k_offsets). Exact integer sums throughout: every form gives the scalar twin's bits.
+// activation's sums of 16 (q6k_offsets), except with VNNI and 2 or more activation rows, where those took ~14 % of a
+// pass: there the codes are multiplied as codes - 32 (signed) with the activation codes + 128 (unsigned, ActRows::qu;
+// a pair of products |(y + 128)(v - 32)| <= 2 x 255 x 32, 4 of them < 2^15), and what the + 128 adds, 128 x the
+// scales times the sums of the codes - 32, is a constant of the weights (sc_pack_x8's sums) taken off per block.
+// Exact integer sums throughout: every form gives the scalar twin's bits.
 
 // a Q6_K X8 block's high bits of the values at bits 2 k, 2 k + 1 of each byte, moved to bits 4 and 5 (k a constant)
 template <class V>
@@ -364,7 +368,8 @@ inline void q6k_subblock_avx2(const uint8_t* blk, int t, const int8_t* const* y,
 }
 
 template <int R>
-void dot_q6k_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* out, int64_t ldo) {
+void dot_q6k_x8(const uint8_t* w, const int32_t* sums, const ActRows& a, const int64_t* rows, float* out, int64_t ldo) {
+    constexpr bool folded = VNNI && R > 1;  // (above; one row streams from memory: the offsets cost it nothing)
     const int64_t K = a.K, nb = K / 256;
     __m256 acc[R];
     const int8_t* q[R];
@@ -380,12 +385,12 @@ void dot_q6k_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* 
         const uint8_t* blk = w + b * Q6K_X8::bytes;
         prefetch_ahead<Q6K_X8::bytes>(blk);  // one row too (see PF_BYTES)
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
-        const int8_t* y[R];
-        for (int r = 0; r < R; r++) y[r] = q[r] + b * 256;
+        const int8_t* y[R];  // (folded: the bytes of a.qu)
+        for (int r = 0; r < R; r++) y[r] = (folded ? (const int8_t*)a.qu + rows[r] * K : q[r]) + b * 256;
         __m256i off[R], sumi[R];  // lane c: row c
-        q6k_offsets<R>(blk, bsum, b, off);
+        if constexpr (!folded) q6k_offsets<R>(blk, bsum, b, off);
         if constexpr (VNNI) {
-            const __m512i m4 = _mm512_set1_epi8(0xF);
+            const __m512i m4 = _mm512_set1_epi8(0xF), offset = _mm512_set1_epi8(folded ? 32 : 0);
             alignas(64) int16_t pick_words[32];  // word w: the scale of row w / 4 (lanes 2 c, 2 c + 1: row c)
             for (int i = 0; i < 32; i++) pick_words[i] = (int16_t)(i / 4);
             const __m512i pick = _mm512_load_si512(pick_words);
@@ -395,17 +400,20 @@ void dot_q6k_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* 
             for (int t = 0; t < 16; t++) {  // unrolled: the high bits' shifts are constants
                 const __m512i nib = _mm512_loadu_si512((const void*)(blk + Q6K_X8::nibbles + 64 * t));
                 const __m512i high = _mm512_loadu_si512((const void*)(blk + Q6K_X8::high + 64 * (t / 2)));
-                const __m512i v1 = _mm512_or_si512(_mm512_and_si512(nib, m4), q6k_high(high, 2 * (t % 2)));
-                const __m512i v2 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(nib, 4), m4),
-                                                   q6k_high(high, 2 * (t % 2) + 1));
+                const __m512i v1 = _mm512_sub_epi8(
+                    _mm512_or_si512(_mm512_and_si512(nib, m4), q6k_high(high, 2 * (t % 2))), offset);
+                const __m512i v2 = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(nib, 4), m4),
+                                                                   q6k_high(high, 2 * (t % 2) + 1)), offset);
                 const __m128i s8 = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)(blk + Q6K_X8::scales + 8 * t)));
                 const __m512i sc = _mm512_permutexvar_epi16(pick, _mm512_castsi128_si512(s8));
                 for (int r = 0; r < R; r++) {
                     int64_t y1, y2;
                     std::memcpy(&y1, y[r] + 16 * t, 8);
                     std::memcpy(&y2, y[r] + 16 * t + 8, 8);
-                    const __m512i p = _mm512_add_epi16(_mm512_maddubs_epi16(v1, _mm512_set1_epi64(y1)),
-                                                       _mm512_maddubs_epi16(v2, _mm512_set1_epi64(y2)));
+                    const __m512i b1 = _mm512_set1_epi64(y1), b2 = _mm512_set1_epi64(y2);
+                    const __m512i p = folded  // (vpmaddubsw: the unsigned bytes first)
+                        ? _mm512_add_epi16(_mm512_maddubs_epi16(b1, v1), _mm512_maddubs_epi16(b2, v2))
+                        : _mm512_add_epi16(_mm512_maddubs_epi16(v1, b1), _mm512_maddubs_epi16(v2, b2));
                     sum[r] = _mm512_dpwssd_epi32(sum[r], p, sc);
                 }
             }
@@ -421,8 +429,10 @@ void dot_q6k_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* 
                 sumi[r] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(sum[0][r], sum[1][r]), _MM_SHUFFLE(3, 1, 2, 0));
             }
         }
+        const __m256i taken = folded ? _mm256_loadu_si256((const __m256i*)(sums + 8 * b)) : _mm256_setzero_si256();
         for (int r = 0; r < R; r++) {
-            const __m256i s = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(off[r], 5));
+            const __m256i s = folded ? _mm256_sub_epi32(sumi[r], taken)
+                                     : _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(off[r], 5));
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(d[r][b])), _mm256_cvtepi32_ps(s), acc[r]);
         }
     }
@@ -430,7 +440,8 @@ void dot_q6k_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* 
 }
 
 template <int R>
-void dot_x8(int wtype, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out, int64_t ldo) {
+void dot_x8(int wtype, const uint8_t* w, const int32_t* sums, const ActRows& a, const int64_t* rows, float* out,
+            int64_t ldo) {
     switch (wtype - X8) {
         case Q4_0: return dot32_x8<R, Q4_0>(w, a, rows, out, ldo);
         case Q4_1: return dot32_x8<R, Q4_1>(w, a, rows, out, ldo);
@@ -438,7 +449,7 @@ void dot_x8(int wtype, const uint8_t* w, const ActRows& a, const int64_t* rows, 
         case Q5_1: return dot32_x8<R, Q5_1>(w, a, rows, out, ldo);
         case Q8_0: return dot32_x8<R, Q8_0>(w, a, rows, out, ldo);
         case Q4_K: return dot_q4k_x8<R>(w, a, rows, out, ldo);
-        case Q6_K: return dot_q6k_x8<R>(w, a, rows, out, ldo);
+        case Q6_K: return dot_q6k_x8<R>(w, sums, a, rows, out, ldo);
     }
 }
 
