@@ -323,6 +323,7 @@ struct ActRows {
     const int16_t* isum;  // [M, K / 256 * 24] (Q8_K) or [M, K / 32]
     const float* s;  // [M, K / 32] (Q8_1)
     const uint8_t* qu = nullptr;  // [M, K]: q + 128 (Q8_K, for the VNNI Q6_K products of 2 or more rows)
+    const int32_t* isum32 = nullptr;  // [M, K / 32]: isum widened (Q8_0/Q8_1 with AVX2: broadcast from memory)
     int64_t nd() const { return K / (kind == ACT_Q8_K ? 256 : 32); }
     int64_t ns() const { return kind == ACT_Q8_K ? K / 256 * 24 : K / 32; }
 };
@@ -946,6 +947,7 @@ struct ActBuffers {
     std::vector<uint8_t> qu;
     std::vector<float> d, s;
     std::vector<int16_t> isum;
+    std::vector<int32_t> isum32;
 };
 
 ActRows quantize_rows(int kind, const float* x, int64_t M, int64_t K, ActBuffers& buf) {
@@ -974,6 +976,10 @@ ActRows quantize_rows(int kind, const float* x, int64_t M, int64_t K, ActBuffers
         pool().run(g_threads, M, fn);
     }
     a.q = q; a.d = d; a.isum = isum; a.s = s;
+    if (kind != ACT_Q8_K && g_use_avx2) {
+        buf.isum32.assign(isum, isum + M * ns);
+        a.isum32 = buf.isum32.data();
+    }
     return a;
 }
 
