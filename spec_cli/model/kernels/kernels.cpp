@@ -323,7 +323,13 @@ struct ActRows {
     const int16_t* isum;  // [M, K / 256 * 24] (Q8_K) or [M, K / 32]
     const float* s;  // [M, K / 32] (Q8_1)
     const uint8_t* qu = nullptr;  // [M, K]: q + 128 (Q8_K, for the VNNI Q6_K products of 2 or more rows)
-    const int32_t* isum32 = nullptr;  // [M, K / 32]: isum widened (Q8_0/Q8_1 with AVX2: broadcast from memory)
+    // Q8_0/Q8_1 with AVX2, for the X8 products (x8_kernels.h dot32_x8): the rows block by block, so that one pointer
+    // and constant offsets reach block b of every row (a pointer per row and array spilled from the registers)
+    int64_t M = 0;
+    const int8_t* qb = nullptr;  // [K / 32, M, 32]
+    const float* db = nullptr;  // [K / 32, M]
+    const int32_t* isumb = nullptr;  // [K / 32, M]: isum widened (a broadcast from memory)
+    const float* sb = nullptr;  // [K / 32, M] (Q8_1)
     int64_t nd() const { return K / (kind == ACT_Q8_K ? 256 : 32); }
     int64_t ns() const { return kind == ACT_Q8_K ? K / 256 * 24 : K / 32; }
 };
@@ -452,14 +458,14 @@ struct X32 {
 // arithmetic of dot32_x8_avx2 lane by lane (the block's exact integer sum, then one fused multiply-add), so the
 // two give the same bits.
 template <int W>
-void dot32_x8_scalar(int R, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out, int64_t ldo) {
+void dot32_x8_scalar(int R, const uint8_t* w, const ActRows& a, int64_t m, float* out, int64_t ldo) {
     using L = X32<W>;
     const int64_t K = a.K, nb = K / 32;
     for (int r = 0; r < R; r++) {
-        const int8_t* q = a.q + rows[r] * K;
-        const float* d = a.d + rows[r] * nb;
-        const int16_t* isum = a.isum + rows[r] * nb;
-        const float* sa = a.s + rows[r] * nb;
+        const int8_t* q = a.q + (m + r) * K;
+        const float* d = a.d + (m + r) * nb;
+        const int16_t* isum = a.isum + (m + r) * nb;
+        const float* sa = a.s + (m + r) * nb;
         for (int c = 0; c < 8; c++) {
             float acc = 0, accm = 0;
             for (int64_t b = 0; b < nb; b++) {
@@ -489,12 +495,12 @@ void dot32_x8_scalar(int R, const uint8_t* w, const ActRows& a, const int64_t* r
 // Q4_K X8 groups against Q8_K: out[r * ldo + c] = dot(row c of the group, activation row r). The arithmetic of
 // x8_kernels.h dot_q4k_x8 row by row (exact integer sums per block, then one fused multiply-add per block), so the two
 // give the same bits.
-void dot_q4k_x8_scalar(int R, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out, int64_t ldo) {
+void dot_q4k_x8_scalar(int R, const uint8_t* w, const ActRows& a, int64_t m, float* out, int64_t ldo) {
     const int64_t K = a.K, nb = K / 256;
     for (int r = 0; r < R; r++) {
-        const int8_t* q = a.q + rows[r] * K;
-        const float* d = a.d + rows[r] * nb;
-        const int16_t* isum = a.isum + rows[r] * nb * 24;
+        const int8_t* q = a.q + (m + r) * K;
+        const float* d = a.d + (m + r) * nb;
+        const int16_t* isum = a.isum + (m + r) * nb * 24;
         for (int c = 0; c < 8; c++) {
             float acc = 0, accm = 0;
             for (int64_t b = 0; b < nb; b++) {
@@ -526,12 +532,12 @@ void dot_q4k_x8_scalar(int R, const uint8_t* w, const ActRows& a, const int64_t*
 // Q6_K X8 groups against Q8_K: out[r * ldo + c] = dot(row c of the group, activation row r). Per block the exact
 // integer sum of scale x (codes . activation codes) less 32 x scale x (sums of the activation codes), then one fused
 // multiply-add, as x8_kernels.h dot_q6k_x8 computes it, so the two give the same bits.
-void dot_q6k_x8_scalar(int R, const uint8_t* w, const ActRows& a, const int64_t* rows, float* out, int64_t ldo) {
+void dot_q6k_x8_scalar(int R, const uint8_t* w, const ActRows& a, int64_t m, float* out, int64_t ldo) {
     const int64_t K = a.K, nb = K / 256;
     for (int r = 0; r < R; r++) {
-        const int8_t* q = a.q + rows[r] * K;
-        const float* d = a.d + rows[r] * nb;
-        const int16_t* isum = a.isum + rows[r] * nb * 24;
+        const int8_t* q = a.q + (m + r) * K;
+        const float* d = a.d + (m + r) * nb;
+        const int16_t* isum = a.isum + (m + r) * nb * 24;
         for (int c = 0; c < 8; c++) {
             float acc = 0;
             for (int64_t b = 0; b < nb; b++) {
@@ -904,40 +910,40 @@ int register_rows() { return g_use_vnni ? 8 : 4; }
 
 #if SC_X86
 template <int R>
-void dot_x8_simd(int wtype, const uint8_t* w, const int32_t* sums, const ActRows& a, const int64_t* rows, float* out,
+void dot_x8_simd(int wtype, const uint8_t* w, const int32_t* sums, const ActRows& a, int64_t m, float* out,
                  int64_t ldo) {
-    if (g_use_vnni) return x8_vnni::dot_x8<R>(wtype, w, sums, a, rows, out, ldo);
-    if constexpr (R <= 4) x8_avx2::dot_x8<R>(wtype, w, sums, a, rows, out, ldo);  // (register_rows: never more rows)
+    if (g_use_vnni) return x8_vnni::dot_x8<R>(wtype, w, sums, a, m, out, ldo);
+    if constexpr (R <= 4) x8_avx2::dot_x8<R>(wtype, w, sums, a, m, out, ldo);  // (register_rows: never more rows)
 }
 #endif
 
 
-// R <= register_rows() activation rows against one group of an X8 segment (Q6_K: its sums, sc_pack_x8):
-// out[r * ldo + c]
-void dot_x8_rows(int R, int wtype, const uint8_t* w, const int32_t* sums, const ActRows& a, const int64_t* rows,
+// activation rows m .. m + R - 1 (R <= register_rows()) against one group of an X8 segment (Q6_K: its sums,
+// sc_pack_x8): out[r * ldo + c]
+void dot_x8_rows(int R, int wtype, const uint8_t* w, const int32_t* sums, const ActRows& a, int64_t m,
                  float* out, int64_t ldo) {
 #if SC_X86
     if (g_use_avx2) {
         switch (R) {
-            case 1: return dot_x8_simd<1>(wtype, w, sums, a, rows, out, ldo);
-            case 2: return dot_x8_simd<2>(wtype, w, sums, a, rows, out, ldo);
-            case 3: return dot_x8_simd<3>(wtype, w, sums, a, rows, out, ldo);
-            case 4: return dot_x8_simd<4>(wtype, w, sums, a, rows, out, ldo);
-            case 5: return dot_x8_simd<5>(wtype, w, sums, a, rows, out, ldo);
-            case 6: return dot_x8_simd<6>(wtype, w, sums, a, rows, out, ldo);
-            case 7: return dot_x8_simd<7>(wtype, w, sums, a, rows, out, ldo);
-            default: return dot_x8_simd<8>(wtype, w, sums, a, rows, out, ldo);
+            case 1: return dot_x8_simd<1>(wtype, w, sums, a, m, out, ldo);
+            case 2: return dot_x8_simd<2>(wtype, w, sums, a, m, out, ldo);
+            case 3: return dot_x8_simd<3>(wtype, w, sums, a, m, out, ldo);
+            case 4: return dot_x8_simd<4>(wtype, w, sums, a, m, out, ldo);
+            case 5: return dot_x8_simd<5>(wtype, w, sums, a, m, out, ldo);
+            case 6: return dot_x8_simd<6>(wtype, w, sums, a, m, out, ldo);
+            case 7: return dot_x8_simd<7>(wtype, w, sums, a, m, out, ldo);
+            default: return dot_x8_simd<8>(wtype, w, sums, a, m, out, ldo);
         }
     }
 #endif
     switch (wtype - X8) {
-        case Q4_0: return dot32_x8_scalar<Q4_0>(R, w, a, rows, out, ldo);
-        case Q4_1: return dot32_x8_scalar<Q4_1>(R, w, a, rows, out, ldo);
-        case Q5_0: return dot32_x8_scalar<Q5_0>(R, w, a, rows, out, ldo);
-        case Q5_1: return dot32_x8_scalar<Q5_1>(R, w, a, rows, out, ldo);
-        case Q8_0: return dot32_x8_scalar<Q8_0>(R, w, a, rows, out, ldo);
-        case Q4_K: return dot_q4k_x8_scalar(R, w, a, rows, out, ldo);
-        case Q6_K: return dot_q6k_x8_scalar(R, w, a, rows, out, ldo);
+        case Q4_0: return dot32_x8_scalar<Q4_0>(R, w, a, m, out, ldo);
+        case Q4_1: return dot32_x8_scalar<Q4_1>(R, w, a, m, out, ldo);
+        case Q5_0: return dot32_x8_scalar<Q5_0>(R, w, a, m, out, ldo);
+        case Q5_1: return dot32_x8_scalar<Q5_1>(R, w, a, m, out, ldo);
+        case Q8_0: return dot32_x8_scalar<Q8_0>(R, w, a, m, out, ldo);
+        case Q4_K: return dot_q4k_x8_scalar(R, w, a, m, out, ldo);
+        case Q6_K: return dot_q6k_x8_scalar(R, w, a, m, out, ldo);
     }
 }
 
@@ -947,8 +953,36 @@ struct ActBuffers {
     std::vector<uint8_t> qu;
     std::vector<float> d, s;
     std::vector<int16_t> isum;
-    std::vector<int32_t> isum32;
+    std::vector<int8_t> qb;
+    std::vector<float> db, sb;
+    std::vector<int32_t> isumb;
 };
+
+// ActRows' block-major arrays from its rows (one row: the rows' own arrays, but for the widened sums)
+void block_major(ActRows& a, int64_t M, ActBuffers& buf) {
+    const int64_t nb = a.K / 32;
+    a.M = M;
+    buf.isumb.resize(M * nb);
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t b = 0; b < nb; b++) buf.isumb[b * M + m] = a.isum[m * nb + b];
+    }
+    a.isumb = buf.isumb.data();
+    if (M == 1) {
+        a.qb = a.q; a.db = a.d; a.sb = a.s;
+        return;
+    }
+    buf.qb.resize(M * a.K);
+    buf.db.resize(M * nb);
+    buf.sb.resize(a.kind == ACT_Q8_1 ? M * nb : 0);
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t b = 0; b < nb; b++) {
+            std::memcpy(&buf.qb[(b * M + m) * 32], a.q + m * a.K + b * 32, 32);
+            buf.db[b * M + m] = a.d[m * nb + b];
+            if (a.kind == ACT_Q8_1) buf.sb[b * M + m] = a.s[m * nb + b];
+        }
+    }
+    a.qb = buf.qb.data(); a.db = buf.db.data(); a.sb = buf.sb.data();
+}
 
 ActRows quantize_rows(int kind, const float* x, int64_t M, int64_t K, ActBuffers& buf) {
     ActRows a{kind, K, x, nullptr, nullptr, nullptr, nullptr};
@@ -976,10 +1010,7 @@ ActRows quantize_rows(int kind, const float* x, int64_t M, int64_t K, ActBuffers
         pool().run(g_threads, M, fn);
     }
     a.q = q; a.d = d; a.isum = isum; a.s = s;
-    if (kind != ACT_Q8_K && g_use_avx2) {
-        buf.isum32.assign(isum, isum + M * ns);
-        a.isum32 = buf.isum32.data();
-    }
+    if (kind != ACT_Q8_K && g_use_avx2) block_major(a, M, buf);
     return a;
 }
 
@@ -1111,7 +1142,7 @@ int sc_linear(const ScLinear* w, const float* x, int64_t M, float* y, int64_t ld
                     for (int r = 0; r < R; r++) rows[r] = m + r;
                     if (x8 && n == first && end == first + 8) {  // a whole group: the kernel stores into y
                         // (copied through `out`, a store-forwarding stall and a memcpy call per row: ~5 % of a pass)
-                        dot_x8_rows(R, wt, w_at, sums_at, a, rows, y + m * ldy + n, ldy);
+                        dot_x8_rows(R, wt, w_at, sums_at, a, m, y + m * ldy + n, ldy);
                         for (int r = 0; r < R && bias; r++) {  // through a local copy: y and bias may alias
                             float v[8];
                             std::memcpy(v, y + (m + r) * ldy + n, sizeof v);
@@ -1120,7 +1151,7 @@ int sc_linear(const ScLinear* w, const float* x, int64_t M, float* y, int64_t ld
                         }
                         continue;
                     }
-                    if (x8) dot_x8_rows(R, wt, w_at, sums_at, a, rows, out, 8);
+                    if (x8) dot_x8_rows(R, wt, w_at, sums_at, a, m, out, 8);
                     else dot_rows(R, wt, w_at, a, rows, out);
                     for (int r = 0; r < R; r++) {
                         for (int64_t col = n; col < end; col++) {

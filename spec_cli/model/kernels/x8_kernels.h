@@ -55,21 +55,16 @@ inline __m256i fifth_bits(__m256i qh, int j) {
 // multiply as unsigned bytes (Q8_0: magnitudes, the signs moved to the activations) and the block's offset comes
 // off the exact integer sum as offset x (sum of the activation codes).
 template <int R, int W>
-void dot32_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* out, int64_t ldo) {
+void dot32_x8(const uint8_t* w, const ActRows& a, int64_t m, float* out, int64_t ldo) {
     using L = X32<W>;
-    const int64_t K = a.K, nb = K / 32;
     __m256 acc[R], accm[R];
-    const int8_t* q[R];
-    const float* d[R];
-    const int32_t* isum[R];
-    const float* sa[R];
-    for (int r = 0; r < R; r++) {
-        acc[r] = accm[r] = _mm256_setzero_ps();
-        q[r] = a.q + rows[r] * K;
-        d[r] = a.d + rows[r] * nb;
-        isum[r] = a.isum32 + rows[r] * nb;
-        sa[r] = a.s + rows[r] * nb;
-    }
+    for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm256_setzero_ps();
+    // block b of activation row m + r: ActRows' block-major arrays at [b][m + r], one pointer each for all the rows
+    const int64_t M = a.M, nb = a.K / 32;
+    const int8_t* q = a.qb + m * 32;
+    const float* d = a.db + m;
+    const int32_t* isum = a.isumb + m;
+    const float* sa = L::has_min ? a.sb + m : nullptr;
     const __m256i m4 = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t* blk = w + b * L::bytes;
@@ -85,7 +80,7 @@ void dot32_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* ou
                 const __m256i w_abs = _mm256_sign_epi8(wv, wv);
                 for (int r = 0; r < R; r++) {
                     int32_t y;
-                    std::memcpy(&y, q[r] + b * 32 + 4 * g, 4);
+                    std::memcpy(&y, q + 32 * r + 4 * g, 4);
                     if constexpr (VNNI) sumi[r] = dot4(sumi[r], wu, _mm256_set1_epi32(y));
                     else sumi[r] = dot4(sumi[r], w_abs, _mm256_sign_epi8(_mm256_set1_epi32(y), wv));
                 }
@@ -104,8 +99,8 @@ void dot32_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* ou
                 }
                 for (int r = 0; r < R; r++) {
                     int32_t y_lo, y_hi;
-                    std::memcpy(&y_lo, q[r] + b * 32 + 4 * g, 4);
-                    std::memcpy(&y_hi, q[r] + b * 32 + 16 + 4 * g, 4);
+                    std::memcpy(&y_lo, q + 32 * r + 4 * g, 4);
+                    std::memcpy(&y_hi, q + 32 * r + 16 + 4 * g, 4);
                     if constexpr (VNNI) {
                         sumi[r] = dot4(dot4(sumi[r], lo, _mm256_set1_epi32(y_lo)), hi, _mm256_set1_epi32(y_hi));
                         continue;
@@ -127,14 +122,16 @@ void dot32_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* ou
             static_assert((offset & (offset - 1)) == 0, "a power of two");
             if constexpr (offset != 0) {  // a broadcast from memory and a shift (a scalar multiply and a move from a
                 constexpr int shift = __builtin_ctz(offset);  // general register to a vector cost ~5 % of a pass)
-                sumi[r] = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(_mm256_set1_epi32(isum[r][b]), shift));
+                sumi[r] = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(_mm256_set1_epi32(isum[r]), shift));
             }
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(d[r][b])), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(d[r])), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
             if constexpr (L::has_min) {
                 const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16)));
-                accm[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sa[r][b]), accm[r]);
+                accm[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sa[r]), accm[r]);
             }
         }
+        q += 32 * M; d += M; isum += M;
+        if constexpr (L::has_min) sa += M;
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * ldo, L::has_min ? _mm256_add_ps(acc[r], accm[r]) : acc[r]);
 }
@@ -177,7 +174,7 @@ inline constexpr PairScales Q4K_PAIR_SCALES = q4k_pair_scales();
 // adds each lane pair too); the block's integer sum meets the float scales once. Integer sums are exact, so every
 // form gives the bits of the scalar twin.
 template <int R>
-void dot_q4k_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* out, int64_t ldo) {
+void dot_q4k_x8(const uint8_t* w, const ActRows& a, int64_t m, float* out, int64_t ldo) {
     const int64_t K = a.K, nb = K / 256;
     __m256 acc[R], accm[R];
     const int8_t* q[R];
@@ -185,9 +182,9 @@ void dot_q4k_x8(const uint8_t* w, const ActRows& a, const int64_t* rows, float* 
     const int16_t* bsum[R];
     for (int r = 0; r < R; r++) {
         acc[r] = accm[r] = _mm256_setzero_ps();
-        q[r] = a.q + rows[r] * K;
-        d[r] = a.d + rows[r] * nb;
-        bsum[r] = a.isum + rows[r] * nb * 24 + 16;  // the per-32 sums of block 0
+        q[r] = a.q + (m + r) * K;
+        d[r] = a.d + (m + r) * nb;
+        bsum[r] = a.isum + (m + r) * nb * 24 + 16;  // the per-32 sums of block 0
     }
     const __m256i m4 = _mm256_set1_epi8(0xF), m6 = _mm256_set1_epi8(0x3F), m2 = _mm256_set1_epi8(0x03);
     // bytes 0, 1 (2, 3) of each 32-bit lane as the lane's int16 pair
@@ -372,7 +369,7 @@ inline void q6k_subblock_avx2(const uint8_t* blk, int t, const int8_t* const* y,
 }
 
 template <int R>
-void dot_q6k_x8(const uint8_t* w, const int32_t* sums, const ActRows& a, const int64_t* rows, float* out, int64_t ldo) {
+void dot_q6k_x8(const uint8_t* w, const int32_t* sums, const ActRows& a, int64_t m, float* out, int64_t ldo) {
     constexpr bool folded = VNNI && R > 1;  // (above; one row streams from memory: the offsets cost it nothing)
     const int64_t K = a.K, nb = K / 256;
     __m256 acc[R];
@@ -381,16 +378,16 @@ void dot_q6k_x8(const uint8_t* w, const int32_t* sums, const ActRows& a, const i
     const int16_t* bsum[R];
     for (int r = 0; r < R; r++) {
         acc[r] = _mm256_setzero_ps();
-        q[r] = a.q + rows[r] * K;
-        d[r] = a.d + rows[r] * nb;
-        bsum[r] = a.isum + rows[r] * nb * 24;  // the per-16 sums of block 0
+        q[r] = a.q + (m + r) * K;
+        d[r] = a.d + (m + r) * nb;
+        bsum[r] = a.isum + (m + r) * nb * 24;  // the per-16 sums of block 0
     }
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t* blk = w + b * Q6K_X8::bytes;
         prefetch_ahead<Q6K_X8::bytes>(blk);  // one row too (see PF_BYTES)
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
         const int8_t* y[R];  // (folded: the bytes of a.qu)
-        for (int r = 0; r < R; r++) y[r] = (folded ? (const int8_t*)a.qu + rows[r] * K : q[r]) + b * 256;
+        for (int r = 0; r < R; r++) y[r] = (folded ? (const int8_t*)a.qu + (m + r) * K : q[r]) + b * 256;
         __m256i off[R], sumi[R];  // lane c: row c
         if constexpr (!folded) q6k_offsets<R>(blk, bsum, b, off);
         if constexpr (VNNI) {
@@ -444,16 +441,16 @@ void dot_q6k_x8(const uint8_t* w, const int32_t* sums, const ActRows& a, const i
 }
 
 template <int R>
-void dot_x8(int wtype, const uint8_t* w, const int32_t* sums, const ActRows& a, const int64_t* rows, float* out,
+void dot_x8(int wtype, const uint8_t* w, const int32_t* sums, const ActRows& a, int64_t m, float* out,
             int64_t ldo) {
     switch (wtype - X8) {
-        case Q4_0: return dot32_x8<R, Q4_0>(w, a, rows, out, ldo);
-        case Q4_1: return dot32_x8<R, Q4_1>(w, a, rows, out, ldo);
-        case Q5_0: return dot32_x8<R, Q5_0>(w, a, rows, out, ldo);
-        case Q5_1: return dot32_x8<R, Q5_1>(w, a, rows, out, ldo);
-        case Q8_0: return dot32_x8<R, Q8_0>(w, a, rows, out, ldo);
-        case Q4_K: return dot_q4k_x8<R>(w, a, rows, out, ldo);
-        case Q6_K: return dot_q6k_x8<R>(w, sums, a, rows, out, ldo);
+        case Q4_0: return dot32_x8<R, Q4_0>(w, a, m, out, ldo);
+        case Q4_1: return dot32_x8<R, Q4_1>(w, a, m, out, ldo);
+        case Q5_0: return dot32_x8<R, Q5_0>(w, a, m, out, ldo);
+        case Q5_1: return dot32_x8<R, Q5_1>(w, a, m, out, ldo);
+        case Q8_0: return dot32_x8<R, Q8_0>(w, a, m, out, ldo);
+        case Q4_K: return dot_q4k_x8<R>(w, a, m, out, ldo);
+        case Q6_K: return dot_q6k_x8<R>(w, sums, a, m, out, ldo);
     }
 }
 
