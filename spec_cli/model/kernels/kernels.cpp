@@ -322,14 +322,16 @@ struct ActRows {
     const float* d;  // [M, K / block]
     const int16_t* isum;  // [M, K / 256 * 24] (Q8_K) or [M, K / 32]
     const float* s;  // [M, K / 32] (Q8_1)
-    const uint8_t* qu = nullptr;  // [M, K]: q + 128 (Q8_K, for the VNNI Q6_K products of 2 or more rows)
-    // Q8_0/Q8_1 with AVX2, for the X8 products (x8_kernels.h dot32_x8): the rows block by block, so that one pointer
-    // and constant offsets reach block b of every row (a pointer per row and array spilled from the registers)
+    // With AVX2, for the X8 products (x8_kernels.h): the rows block by block, so that one pointer per array and
+    // constant offsets reach block b of every row (with a pointer per row and array, 8 rows' were spilled from the
+    // registers); nd() blocks of `block` values
     int64_t M = 0;
-    const int8_t* qb = nullptr;  // [K / 32, M, 32]
-    const float* db = nullptr;  // [K / 32, M]
-    const int32_t* isumb = nullptr;  // [K / 32, M]: isum widened (a broadcast from memory)
-    const float* sb = nullptr;  // [K / 32, M] (Q8_1)
+    const int8_t* qb = nullptr;  // [nd, M, block]
+    const uint8_t* qub = nullptr;  // [nd, M, 256]: qb + 128 (Q8_K, for the VNNI Q6_K products of 2 or more rows)
+    const float* db = nullptr;  // [nd, M]
+    const float* sb = nullptr;  // [nd, M] (Q8_1)
+    const int32_t* isumb = nullptr;  // [nd, M]: Q8_0/Q8_1's isum widened (a broadcast from memory)
+    const int16_t* ksumb = nullptr;  // [nd, M, 24]: Q8_K's isum
     int64_t nd() const { return K / (kind == ACT_Q8_K ? 256 : 32); }
     int64_t ns() const { return kind == ACT_Q8_K ? K / 256 * 24 : K / 32; }
 };
@@ -950,38 +952,46 @@ void dot_x8_rows(int R, int wtype, const uint8_t* w, const int32_t* sums, const 
 // per-thread scratch for quantized activations, reused between calls
 struct ActBuffers {
     std::vector<int8_t> q;
-    std::vector<uint8_t> qu;
+    std::vector<uint8_t> qub;
     std::vector<float> d, s;
     std::vector<int16_t> isum;
     std::vector<int8_t> qb;
     std::vector<float> db, sb;
     std::vector<int32_t> isumb;
+    std::vector<int16_t> ksumb;
 };
 
-// ActRows' block-major arrays from its rows (one row: the rows' own arrays, but for the widened sums)
+// ActRows' block-major arrays from its row-major ones (one row: the same arrays, but for Q8_0/Q8_1's widened sums)
 void block_major(ActRows& a, int64_t M, ActBuffers& buf) {
-    const int64_t nb = a.K / 32;
+    const bool k = a.kind == ACT_Q8_K;
+    const int64_t nb = a.nd(), block = a.K / nb, per = k ? 24 : 1;  // per: sums per block
     a.M = M;
-    buf.isumb.resize(M * nb);
-    for (int64_t m = 0; m < M; m++) {
-        for (int64_t b = 0; b < nb; b++) buf.isumb[b * M + m] = a.isum[m * nb + b];
+    if (!k) {
+        buf.isumb.resize(M * nb);
+        for (int64_t m = 0; m < M; m++) {
+            for (int64_t b = 0; b < nb; b++) buf.isumb[b * M + m] = a.isum[m * nb + b];
+        }
+        a.isumb = buf.isumb.data();
     }
-    a.isumb = buf.isumb.data();
     if (M == 1) {
         a.qb = a.q; a.db = a.d; a.sb = a.s;
+        if (k) a.ksumb = a.isum;
         return;
     }
     buf.qb.resize(M * a.K);
     buf.db.resize(M * nb);
     buf.sb.resize(a.kind == ACT_Q8_1 ? M * nb : 0);
+    buf.ksumb.resize(k ? M * nb * per : 0);
     for (int64_t m = 0; m < M; m++) {
         for (int64_t b = 0; b < nb; b++) {
-            std::memcpy(&buf.qb[(b * M + m) * 32], a.q + m * a.K + b * 32, 32);
+            std::memcpy(&buf.qb[(b * M + m) * block], a.q + m * a.K + b * block, block);
             buf.db[b * M + m] = a.d[m * nb + b];
             if (a.kind == ACT_Q8_1) buf.sb[b * M + m] = a.s[m * nb + b];
+            if (k) std::memcpy(&buf.ksumb[(b * M + m) * per], a.isum + (m * nb + b) * per, per * sizeof(int16_t));
         }
     }
     a.qb = buf.qb.data(); a.db = buf.db.data(); a.sb = buf.sb.data();
+    if (k) a.ksumb = buf.ksumb.data();
 }
 
 ActRows quantize_rows(int kind, const float* x, int64_t M, int64_t K, ActBuffers& buf) {
@@ -1010,7 +1020,7 @@ ActRows quantize_rows(int kind, const float* x, int64_t M, int64_t K, ActBuffers
         pool().run(g_threads, M, fn);
     }
     a.q = q; a.d = d; a.isum = isum; a.s = s;
-    if (kind != ACT_Q8_K && g_use_avx2) block_major(a, M, buf);
+    if (g_use_avx2) block_major(a, M, buf);
     return a;
 }
 
@@ -1103,11 +1113,11 @@ int sc_linear(const ScLinear* w, const float* x, int64_t M, float* y, int64_t ld
         const int kind = act_of(wtypes[i]);
         if (kind < 0 || K % block_size(wtypes[i]) != 0 || K % 32 != 0) return 2;
         if (!have[kind]) { acts[kind] = quantize_rows(kind, x, M, K, bufs[kind]); have[kind] = true; }
-        if (wtypes[i] == X8 + Q6_K && g_use_vnni && M > 1 && !acts[kind].qu) {  // (x8_kernels.h dot_q6k_x8)
-            std::vector<uint8_t>& qu = bufs[kind].qu;
-            qu.resize(M * K);
-            for (int64_t j = 0; j < M * K; j++) qu[j] = (uint8_t)(acts[kind].q[j] ^ 0x80);
-            acts[kind].qu = qu.data();
+        if (wtypes[i] == X8 + Q6_K && g_use_vnni && M > 1 && !acts[kind].qub) {  // (x8_kernels.h dot_q6k_x8)
+            std::vector<uint8_t>& qub = bufs[kind].qub;
+            qub.resize(M * K);
+            for (int64_t j = 0; j < M * K; j++) qub[j] = (uint8_t)(acts[kind].qb[j] ^ 0x80);
+            acts[kind].qub = qub.data();
         }
         col0[i + 1] = col0[i] + n_out[i];
         seg_bytes[i] = row_bytes(wtypes[i], K);

@@ -175,17 +175,13 @@ inline constexpr PairScales Q4K_PAIR_SCALES = q4k_pair_scales();
 // form gives the bits of the scalar twin.
 template <int R>
 void dot_q4k_x8(const uint8_t* w, const ActRows& a, int64_t m, float* out, int64_t ldo) {
-    const int64_t K = a.K, nb = K / 256;
+    const int64_t M = a.M, nb = a.K / 256;
     __m256 acc[R], accm[R];
-    const int8_t* q[R];
-    const float* d[R];
-    const int16_t* bsum[R];
-    for (int r = 0; r < R; r++) {
-        acc[r] = accm[r] = _mm256_setzero_ps();
-        q[r] = a.q + (m + r) * K;
-        d[r] = a.d + (m + r) * nb;
-        bsum[r] = a.isum + (m + r) * nb * 24 + 16;  // the per-32 sums of block 0
-    }
+    for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm256_setzero_ps();
+    // block b of activation row m + r: ActRows' block-major arrays at [b][m + r], one pointer each for all the rows
+    const int8_t* q = a.qb + m * 256;
+    const float* d = a.db + m;
+    const int16_t* bsum = a.ksumb + m * 24 + 16;  // the per-32 sums
     const __m256i m4 = _mm256_set1_epi8(0xF), m6 = _mm256_set1_epi8(0x3F), m2 = _mm256_set1_epi8(0x03);
     // bytes 0, 1 (2, 3) of each 32-bit lane as the lane's int16 pair
     const __m256i first = _mm256_setr_epi8(0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1,
@@ -226,7 +222,7 @@ void dot_q4k_x8(const uint8_t* w, const ActRows& a, int64_t m, float* out, int64
                 const __m512i pick = _mm512_load_si512(Q4K_PAIR_SCALES.words[j % 2]);
                 const __m512i scale = _mm512_permutexvar_epi16(pick, sc_words[j / 2]);
                 for (int r = 0; r < R; r++) {
-                    const int8_t* y = q[r] + b * 256 + 64 * j;
+                    const int8_t* y = q + 256 * r + 64 * j;
                     __m512i p_lo = _mm512_setzero_si512(), p_hi = _mm512_setzero_si512();
                     for (int g = 0; g < 4; g++) {
                         int64_t y_lo, y_hi;
@@ -268,7 +264,7 @@ void dot_q4k_x8(const uint8_t* w, const ActRows& a, int64_t m, float* out, int64
                     const __m256i hi_a = _mm256_and_si256(_mm256_srli_epi16(bytes_a, 4), m4);
                     const __m256i hi_b = _mm256_and_si256(_mm256_srli_epi16(bytes_b, 4), m4);
                     for (int r = 0; r < R; r++) {
-                        const int8_t* y = q[r] + b * 256 + 64 * j + 8 * g;
+                        const int8_t* y = q + 256 * r + 64 * j + 8 * g;
                         int64_t y_lo, y_hi;
                         std::memcpy(&y_lo, y, 8);
                         std::memcpy(&y_hi, y + 32, 8);
@@ -294,11 +290,12 @@ void dot_q4k_x8(const uint8_t* w, const ActRows& a, int64_t m, float* out, int64
             }
         }
         for (int r = 0; r < R; r++) {
-            const __m256i summ = pair_products<4>(mn, bsum[r] + b * 24);  // the mins times the per-32 sums
-            const __m256 da = _mm256_set1_ps(d[r][b]);
+            const __m256i summ = pair_products<4>(mn, bsum + 24 * r);  // the mins times the per-32 sums
+            const __m256 da = _mm256_set1_ps(d[r]);
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, da), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
             accm[r] = _mm256_fmadd_ps(_mm256_mul_ps(dminw, da), _mm256_cvtepi32_ps(summ), accm[r]);
         }
+        q += 256 * M; d += M; bsum += 24 * M;
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * ldo, _mm256_sub_ps(acc[r], accm[r]));
 }
@@ -310,7 +307,7 @@ void dot_q4k_x8(const uint8_t* w, const ActRows& a, int64_t m, float* out, int64
 // instructions per 128 products where vpmaddubsw + vpdpwssd over the file's layout took 4 per 64, and the weights'
 // unpacking shared by the activation rows. The codes' -32 offset comes off per block as 32 x the scales times the
 // activation's sums of 16 (q6k_offsets), except with VNNI and 2 or more activation rows, where those took ~14 % of a
-// pass: there the codes are multiplied as codes - 32 (signed) with the activation codes + 128 (unsigned, ActRows::qu;
+// pass: there the codes are multiplied as codes - 32 (signed) with the activation codes + 128 (unsigned, ActRows::qub;
 // a pair of products |(y + 128)(v - 32)| <= 2 x 255 x 32, 4 of them < 2^15), and what the + 128 adds, 128 x the
 // scales times the sums of the codes - 32, is a constant of the weights (sc_pack_x8's sums) taken off per block.
 // Exact integer sums throughout: every form gives the scalar twin's bits.
@@ -328,20 +325,22 @@ inline V q6k_high(V high, int k) {
 }
 
 // per activation row r: off[r] lane c = sum over the block's 16 sub-blocks j of scale(row c, j) x (the activation's
-// sum of the 16 codes of j), from the scales as int16 pairs of sub-blocks (2 p, 2 p + 1), row c in lane c
+// sum of the 16 codes of j, at bsum + 24 r), from the scales as int16 pairs of sub-blocks (2 p, 2 p + 1), row c in
+// lane c
 template <int R>
-inline void q6k_offsets(const uint8_t* blk, const int16_t* const* bsum, int64_t b, __m256i* off) {
+inline void q6k_offsets(const uint8_t* blk, const int16_t* bsum, __m256i* off) {
     __m256i pair[8];
     for (int p = 0; p < 8; p++) {
         const __m128i s = _mm_loadu_si128((const __m128i*)(blk + Q6K_X8::scales + 16 * p));
         pair[p] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s, _mm_srli_si128(s, 8)));
     }
-    for (int r = 0; r < R; r++) off[r] = pair_products<8>(pair, bsum[r] + b * 24);
+    for (int r = 0; r < R; r++) off[r] = pair_products<8>(pair, bsum + 24 * r);
 }
 
-// sum[h][r] += the scaled sums of sub-block t for rows 4 h .. 4 h + 3 (AVX2: lane l is row 4 h + l / 2)
+// sum[h][r] += the scaled sums of sub-block t for rows 4 h .. 4 h + 3 (AVX2: lane l is row 4 h + l / 2), activation
+// row r's block at y + 256 r
 template <int R>
-inline void q6k_subblock_avx2(const uint8_t* blk, int t, const int8_t* const* y, __m256i (*sum)[R]) {
+inline void q6k_subblock_avx2(const uint8_t* blk, int t, const int8_t* y, __m256i (*sum)[R]) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
     const __m256i scales = _mm256_broadcastsi128_si256(
         _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)(blk + Q6K_X8::scales + 8 * t))));
@@ -359,8 +358,8 @@ inline void q6k_subblock_avx2(const uint8_t* blk, int t, const int8_t* const* y,
         const __m256i sc = _mm256_shuffle_epi8(scales, pick);
         for (int r = 0; r < R; r++) {
             int64_t y1, y2;
-            std::memcpy(&y1, y[r] + 16 * t, 8);
-            std::memcpy(&y2, y[r] + 16 * t + 8, 8);
+            std::memcpy(&y1, y + 256 * r + 16 * t, 8);
+            std::memcpy(&y2, y + 256 * r + 16 * t + 8, 8);
             const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(v1, _mm256_set1_epi64x(y1)),
                                                _mm256_maddubs_epi16(v2, _mm256_set1_epi64x(y2)));
             sum[h][r] = _mm256_add_epi32(sum[h][r], _mm256_madd_epi16(p, sc));
@@ -371,25 +370,19 @@ inline void q6k_subblock_avx2(const uint8_t* blk, int t, const int8_t* const* y,
 template <int R>
 void dot_q6k_x8(const uint8_t* w, const int32_t* sums, const ActRows& a, int64_t m, float* out, int64_t ldo) {
     constexpr bool folded = VNNI && R > 1;  // (above; one row streams from memory: the offsets cost it nothing)
-    const int64_t K = a.K, nb = K / 256;
+    const int64_t M = a.M, nb = a.K / 256;
     __m256 acc[R];
-    const int8_t* q[R];
-    const float* d[R];
-    const int16_t* bsum[R];
-    for (int r = 0; r < R; r++) {
-        acc[r] = _mm256_setzero_ps();
-        q[r] = a.q + (m + r) * K;
-        d[r] = a.d + (m + r) * nb;
-        bsum[r] = a.isum + (m + r) * nb * 24;  // the per-16 sums of block 0
-    }
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    // block b of activation row m + r: ActRows' block-major arrays at [b][m + r], one pointer each for all the rows
+    const int8_t* y = (folded ? (const int8_t*)a.qub : a.qb) + m * 256;  // (folded: the bytes of qub)
+    const float* d = a.db + m;
+    const int16_t* bsum = a.ksumb + m * 24;  // the per-16 sums
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t* blk = w + b * Q6K_X8::bytes;
         prefetch_ahead<Q6K_X8::bytes>(blk);  // one row too (see PF_BYTES)
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
-        const int8_t* y[R];  // (folded: the bytes of a.qu)
-        for (int r = 0; r < R; r++) y[r] = (folded ? (const int8_t*)a.qu + (m + r) * K : q[r]) + b * 256;
         __m256i off[R], sumi[R];  // lane c: row c
-        if constexpr (!folded) q6k_offsets<R>(blk, bsum, b, off);
+        if constexpr (!folded) q6k_offsets<R>(blk, bsum, off);
         if constexpr (VNNI) {
             const __m512i m4 = _mm512_set1_epi8(0xF), offset = _mm512_set1_epi8(folded ? 32 : 0);
             alignas(64) int16_t pick_words[32];  // word w: the scale of row w / 4 (lanes 2 c, 2 c + 1: row c)
@@ -409,8 +402,8 @@ void dot_q6k_x8(const uint8_t* w, const int32_t* sums, const ActRows& a, int64_t
                 const __m512i sc = _mm512_permutexvar_epi16(pick, _mm512_castsi128_si512(s8));
                 for (int r = 0; r < R; r++) {
                     int64_t y1, y2;
-                    std::memcpy(&y1, y[r] + 16 * t, 8);
-                    std::memcpy(&y2, y[r] + 16 * t + 8, 8);
+                    std::memcpy(&y1, y + 256 * r + 16 * t, 8);
+                    std::memcpy(&y2, y + 256 * r + 16 * t + 8, 8);
                     const __m512i b1 = _mm512_set1_epi64(y1), b2 = _mm512_set1_epi64(y2);
                     const __m512i p = folded  // (vpmaddubsw: the unsigned bytes first)
                         ? _mm512_add_epi16(_mm512_maddubs_epi16(b1, v1), _mm512_maddubs_epi16(b2, v2))
@@ -434,8 +427,9 @@ void dot_q6k_x8(const uint8_t* w, const int32_t* sums, const ActRows& a, int64_t
         for (int r = 0; r < R; r++) {
             const __m256i s = folded ? _mm256_sub_epi32(sumi[r], taken)
                                      : _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(off[r], 5));
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(d[r][b])), _mm256_cvtepi32_ps(s), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(d[r])), _mm256_cvtepi32_ps(s), acc[r]);
         }
+        y += 256 * M; d += M; bsum += 24 * M;
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * ldo, acc[r]);
 }
