@@ -6,6 +6,10 @@ plain rows of the same invocation. Plus the CLI (stdout carries only the chosen 
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -298,6 +302,34 @@ def test_cli_prints_the_grid_size_first_and_a_bar_only_on_a_terminal(capsys, mon
         # the last frame: every run counted; the order turns by one per prompt, so the set's second prompt ran
         # ngram-simple's first and plain's last
         assert "bench 1/2" in err and "8/8" in err
+
+
+@pytest.mark.parametrize("stop, output, code", [(signal.SIGTERM, "jsonl", 143), (signal.SIGINT, "md", 130)])
+def test_a_stopped_bench_writes_the_rows_of_the_tests_that_finished(tiny_model_path, stop, output, code):
+    """A sweep stopped in its second test (a CI job's timeout sends SIGTERM, a user ^C) through the installed
+    script: the first test's row is written (jsonl as soon as its test finished), no traceback, 128 + the signal.
+    The second test runs ~5 s; a row of 1000 samples fits in the pipe's buffer, so nothing blocks before the stop."""
+    script = Path(sys.executable).with_name("spec-cli")
+    proc = subprocess.Popen([script, "bench", "-m", str(tiny_model_path), "-dev", "cpu", "-p", "4,500", "-n", "0",
+                             "-r", "1000", "--no-warmup", "--progress", "-o", output], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    try:
+        for line in proc.stderr:  # the second test starts after the first one's row is out
+            if line.startswith("bench 2/2"):
+                break
+        if output == "jsonl":
+            streamed = json.loads(proc.stdout.readline())
+            assert (streamed["test"], streamed["n_prompt"]) == ("pp", 4)
+        proc.send_signal(stop)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, err
+    assert "Traceback" not in err and "bench: stopped; the 1 rows of the tests that finished are written" in err
+    if output == "md":
+        assert "pp4" in out and "pp500" not in out
+    else:
+        assert out == ""  # the row was streamed before the stop, and written once
 
 
 def test_cli_usage_errors(tiny_model_path):

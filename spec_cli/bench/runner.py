@@ -90,6 +90,10 @@ class Progress:
     def log(self, line: str) -> None:
         """A verbose line (loads, samples)."""
 
+    def finished(self, rows: list[Result]) -> None:
+        """Rows of tests just finished, speed-ups filled in (a speculative group's rows together): everything
+        measured so far is out of run_bench's hands in case the run stops before the end."""
+
 
 # --- build, hardware and model descriptions -------------------------------------------------------------------
 
@@ -217,11 +221,16 @@ def run_bench(params: BenchParams, progress: Progress | None = None) -> list[Res
         torch.set_num_threads(inst.n_threads or default_threads)
         return torch.get_num_threads()
 
+    def finish(done: list[Result]) -> None:
+        rows.extend(done)
+        attach_speedups(rows)  # a spec group holds its plain rows: its speed-ups are final here
+        for row in done:
+            progress.log(_summary(row))
+        progress.finished(done)
+
     def run_spec_group() -> None:
         run_interleaved(spec_runs, params, progress, threads)
-        for _, run in spec_runs:
-            rows.append(run.result())
-            progress.log(_summary(rows[-1]))
+        finish([run.result() for _, run in spec_runs])
         spec_runs.clear()
 
     try:
@@ -239,15 +248,13 @@ def run_bench(params: BenchParams, progress: Progress | None = None) -> list[Res
             progress.test(i, _describe(inst))
             time.sleep(params.delay)
             if t.kind == "verify":
-                rows += run_verify(model, inst, head, params, progress)
+                finish(run_verify(model, inst, head, params, progress))
             else:
-                rows.append(run_random(model, inst, head, params, progress))
-            progress.log(_summary(rows[-1]))
+                finish([run_random(model, inst, head, params, progress)])
         if spec_runs:
             run_spec_group()
     finally:
         torch.set_num_threads(default_threads)
-    attach_speedups(rows)
     return rows
 
 

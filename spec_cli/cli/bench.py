@@ -17,11 +17,14 @@ Examples:
 
 from __future__ import annotations
 
+import signal
 import sys
+from contextlib import contextmanager
 
 import typer
 from rich.console import Console
 
+from spec_cli.bench.printers import format_rows
 from spec_cli.cli.options import with_options
 from spec_cli.errors import UsageError
 from spec_cli.options import BENCH, NO_EFFECT
@@ -37,13 +40,12 @@ def bench(opts: dict, given: dict) -> None:
     (settings a chain does not read add none). Each test runs -r times after a warmup, a speculative test once per
     prompt of its set in each repetition. The number of tests and timed runs is printed before anything loads;
     on a terminal a progress bar follows it. With --baseline-cmd, -r pairs of runs of the two builds instead.
+    -o jsonl writes each test's rows as soon as it finishes (a speculative group's together); stopped by ^C or
+    SIGTERM, bench writes the rows of the tests that finished in the chosen format and exits 130 / 143.
     """
     from spec_cli.bench.compare import load_results
     from spec_cli.bench.paired import MIN_PAIRS, parse_command
     from spec_cli.bench.params import from_flags
-    from spec_cli.bench.printers import format_rows
-    from spec_cli.bench.runner import run_bench
-    from spec_cli.cli.bench_report import BenchReport
 
     output, output_err = opts["output"], opts["output_err"]
     params = from_flags(opts)
@@ -56,17 +58,14 @@ def bench(opts: dict, given: dict) -> None:
     err = Console(stderr=True)
     gates: list[Gate] = []
     counted = reference  # the rows the exact counters are compared with: the paired baseline's, else the file's
+    # jsonl rows are written as their tests finish: an hour-long sweep stopped by anything keeps what it measured
+    streamed = output == "jsonl" and not baseline_cmd
     if baseline_cmd:
         rows, counted, speed = _run_paired(opts, given, baseline_cmd, err)
         gates.append(speed)
     else:
-        report = BenchReport(err, params.repetitions, lines=opts["progress"], verbose=opts["verbose"])
-        with report.bar:
-            rows = [r.to_dict() for r in run_bench(params, report)]
-    sys.stdout.write(format_rows(rows, output))
-    sys.stdout.flush()
-    if output_err:
-        sys.stderr.write(format_rows(rows, output_err))
+        rows = _run_here(params, opts, err, streamed)
+    _write_rows(rows, output, output_err, streamed)
     if opts["plot"]:
         from spec_cli.bench.plot import plot_rows
 
@@ -83,6 +82,53 @@ def bench(opts: dict, given: dict) -> None:
         sys.stderr.write(verdict + "\n" if verdict else "")
     if any(failed for _, _, failed in gates):
         raise typer.Exit(1)
+
+
+def _write(stream, text: str) -> None:
+    stream.write(text)
+    stream.flush()
+
+
+def _write_rows(rows: list[dict], output: str, output_err: str | None, streamed: bool) -> None:
+    """The rows on stdout (unless they were streamed there already) and on stderr."""
+    if not streamed:
+        _write(sys.stdout, format_rows(rows, output))
+    if output_err:
+        _write(sys.stderr, format_rows(rows, output_err))
+
+
+def _run_here(params, opts: dict, err: Console, streamed: bool) -> list[dict]:
+    """The grid in this process. Stopped by ^C or SIGTERM, it writes the finished tests' rows and exits 130 / 143."""
+    from spec_cli.bench.runner import run_bench
+    from spec_cli.cli.bench_report import BenchReport
+
+    output = opts["output"]
+    report = BenchReport(err, params.repetitions, lines=opts["progress"], verbose=opts["verbose"],
+                         stream=(lambda done: _write(sys.stdout, format_rows(done, output))) if streamed else None)
+    try:
+        with report.bar, _sigterm_as_interrupt():
+            return [r.to_dict() for r in run_bench(params, report)]
+    except KeyboardInterrupt as stop:
+        _write_rows(report.done, output, opts["output_err"], streamed)
+        err.print(f"bench: stopped; the {len(report.done)} rows of the tests that finished are written",
+                  markup=False, highlight=False)
+        raise typer.Exit(143 if isinstance(stop, _Terminated) else 130) from None
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (a CI job's timeout, `kill`): stops a bench as ^C does."""
+
+
+@contextmanager
+def _sigterm_as_interrupt():
+    def stop(signum, frame):
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _warn_ignored(params) -> None:
@@ -125,7 +171,12 @@ def _run_paired(opts: dict, given: dict, baseline_cmd: list[str],
 
 def _stored_gate(rows: list[dict], reference: list[dict], max_regression: float) -> Gate:
     """--baseline FILE: the unpaired speed comparison."""
-    from spec_cli.bench.compare import compare, comparison_verdict, format_comparison, has_regression
+    from spec_cli.bench.compare import (
+        compare,
+        comparison_verdict,
+        format_comparison,
+        has_regression,
+    )
 
     result = compare(rows, reference, max_regression)
     return format_comparison(result), comparison_verdict(result, max_regression), has_regression(result)
@@ -134,7 +185,13 @@ def _stored_gate(rows: list[dict], reference: list[dict], max_regression: float)
 def _counter_gate(rows: list[dict], baseline_rows: list[dict]) -> Gate:
     """Exact counters against the baseline's rows (the paired run's when there is one, else the stored file's), and
     greedy speculation against this run's plain rows."""
-    from spec_cli.bench.counters import compare_counters, counters_verdict, format_counters, gated, lossless
+    from spec_cli.bench.counters import (
+        compare_counters,
+        counters_verdict,
+        format_counters,
+        gated,
+        lossless,
+    )
 
     changed, notes = compare_counters(rows, baseline_rows)
     failures = lossless(rows) + changed

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.progress import Progress as RichProgress
 
+from spec_cli.bench import Result
 from spec_cli.bench.params import Instance
 from spec_cli.bench.runner import Progress
 
@@ -14,8 +17,10 @@ class BenchReport(Progress):
     """The grid's size before anything loads (always), then a live bar over the timed runs on a terminal;
     elsewhere (CI logs) one line per test with --progress, like llama-bench's; loads and samples with -v."""
 
-    def __init__(self, err: Console, repetitions: int, lines: bool, verbose: bool):
-        self.err, self.repetitions, self.verbose = err, repetitions, verbose
+    def __init__(self, err: Console, repetitions: int, lines: bool, verbose: bool,
+                 stream: Callable[[list[dict]], None] | None = None):
+        self.err, self.repetitions, self.verbose, self.stream = err, repetitions, verbose, stream
+        self.done: list[dict] = []  # the finished tests' rows, in case the run stops before the end
         self.lines = lines and not err.is_terminal
         self.bar = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                 TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True,
@@ -41,6 +46,12 @@ class BenchReport(Progress):
     def log(self, line: str) -> None:
         if self.verbose:
             self._print(line)
+
+    def finished(self, rows: list[Result]) -> None:
+        done = [r.to_dict() for r in rows]
+        self.done += done
+        if self.stream:
+            self.stream(done)
 
     def _print(self, line: str) -> None:
         self.err.print(line, markup=False, highlight=False, soft_wrap=True)
