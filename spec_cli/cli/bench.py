@@ -171,12 +171,7 @@ def _run_paired(opts: dict, given: dict, baseline_cmd: list[str],
 
 def _stored_gate(rows: list[dict], reference: list[dict], max_regression: float) -> Gate:
     """--baseline FILE: the unpaired speed comparison."""
-    from spec_cli.bench.compare import (
-        compare,
-        comparison_verdict,
-        format_comparison,
-        has_regression,
-    )
+    from spec_cli.bench.compare import compare, comparison_verdict, format_comparison, has_regression
 
     result = compare(rows, reference, max_regression)
     return format_comparison(result), comparison_verdict(result, max_regression), has_regression(result)
@@ -185,13 +180,7 @@ def _stored_gate(rows: list[dict], reference: list[dict], max_regression: float)
 def _counter_gate(rows: list[dict], baseline_rows: list[dict]) -> Gate:
     """Exact counters against the baseline's rows (the paired run's when there is one, else the stored file's), and
     greedy speculation against this run's plain rows."""
-    from spec_cli.bench.counters import (
-        compare_counters,
-        counters_verdict,
-        format_counters,
-        gated,
-        lossless,
-    )
+    from spec_cli.bench.counters import compare_counters, counters_verdict, format_counters, gated, lossless
 
     changed, notes = compare_counters(rows, baseline_rows)
     failures = lossless(rows) + changed
