@@ -964,7 +964,7 @@ struct ActBuffers {
 // ActRows' block-major arrays from its row-major ones (one row: the same arrays, but for Q8_0/Q8_1's widened sums)
 void block_major(ActRows& a, int64_t M, ActBuffers& buf) {
     const bool k = a.kind == ACT_Q8_K;
-    const int64_t nb = a.nd(), block = a.K / nb, per = k ? 24 : 1;  // per: sums per block
+    const int64_t nb = a.nd(), block = a.K / nb, per = a.ns() / nb;  // per: sums per block
     a.M = M;
     if (!k) {
         buf.isumb.resize(M * nb);
