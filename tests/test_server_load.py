@@ -176,38 +176,51 @@ def single(tiny_model_path):
 LONG = 1500  # tokens a cancelled request would generate if nobody stopped it
 
 
+async def hold_stream(c: httpx.AsyncClient, prompt: str, leave: asyncio.Event) -> None:
+    """A streaming request of LONG tokens whose client goes away once `leave` is set (the response half-read)."""
+    body = {"prompt": prompt, "n_predict": LONG, "ignore_eos": True, "temperature": 0, "stream": True}
+    async with c.stream("POST", "/completion", json=body):  # entered at the first token: the job has a slot
+        await leave.wait()
+
+
 def test_queue_is_fifo_and_stream_disconnect_frees_the_slot(single):
+    """A long stream holds the one slot while B, C and D queue behind it in that order. Each time the client of
+    the stream on the slot leaves, the slot goes to the oldest queued request at once: read on the server (/slots;
+    task ids count arrivals), not from the order responses reach this client's event loop."""
     async def main():
         async with httpx.AsyncClient(base_url=single.url, timeout=60) as c:
-            async def wait_deferred(n: int):
+            async def slot() -> dict:
+                return (await c.get("/slots")).json()[0]
+
+            async def deferred() -> float:
+                return parse_metrics((await c.get("/metrics")).text)["llamacpp:requests_deferred"]
+
+            async def wait_until(read, ok, what: str):
                 deadline = time.monotonic() + 10
-                while parse_metrics((await c.get("/metrics")).text)["llamacpp:requests_deferred"] != n:
-                    assert time.monotonic() < deadline, f"never saw {n} queued requests"
+                while not ok(value := await read()):
+                    assert time.monotonic() < deadline, f"never saw {what}"
                     await asyncio.sleep(0.01)
+                return value
 
-            order, followers = [], []
+            leave = {name: asyncio.Event() for name in "LBCD"}
+            clients = [asyncio.create_task(hold_stream(c, "long", leave["L"]))]
+            first = (await wait_until(slot, lambda s: s["is_processing"], "the long stream on the slot"))["id_task"]
+            for n, name in enumerate("BCD", 1):  # each one queued behind the previous
+                clients.append(asyncio.create_task(hold_stream(c, f"queued {name}", leave[name])))
+                await wait_until(deferred, lambda d, n=n: d == n, f"{n} queued")
+            served = []  # arrival numbers of the requests the slot ran, in the order it ran them
+            while len(served) < 4:
+                taken = await wait_until(slot, lambda s: s["is_processing"] and s["id_task"] - first not in served,
+                                         f"the slot taken after {len(served)} streams")
+                served.append(taken["id_task"] - first)
+                leave["LBCD"[served[-1]]].set()
+            await asyncio.wait_for(asyncio.gather(*clients), timeout=60)
+            return served
 
-            async def follower(name):
-                r = await c.post("/completion", json={"prompt": f"queued {name}", "n_predict": 3})
-                order.append((name, r.status_code))
-
-            long_req = {"prompt": "long", "n_predict": LONG, "ignore_eos": True, "temperature": 0, "stream": True}
-            async with c.stream("POST", "/completion", json=long_req) as stream:
-                lines = stream.aiter_lines()
-                while not (await lines.__anext__()).startswith("data: "):
-                    pass
-                for name in "BCD":  # each one queued behind the previous
-                    followers.append(asyncio.create_task(follower(name)))
-                    await wait_deferred(len(followers))
-            # leaving the block closed the half-read response: the client went away mid-stream
-            await asyncio.wait_for(asyncio.gather(*followers), timeout=60)
-            return order
-
-    order = asyncio.run(main())
-    assert order == [("B", 200), ("C", 200), ("D", 200)]
+    assert asyncio.run(main()) == [0, 1, 2, 3]
     assert not httpx.get(single.url + "/slots").json()[0]["is_processing"]
     m = parse_metrics(httpx.get(single.url + "/metrics").text)
-    assert m["llamacpp:tokens_predicted_total"] < LONG  # the long request stopped when its client left
+    assert m["llamacpp:tokens_predicted_total"] < LONG  # all four stopped when their clients left
 
 
 def test_a_client_gone_while_its_prompt_is_decoded_frees_the_slot_and_keeps_the_decoded_prefix(tiny_model_path):
