@@ -210,7 +210,7 @@ def test_rows_are_packed_8_at_a_time_where_avx2_and_scalar_give_the_same_bits(qt
         pytest.skip("this CPU has no AVX2/FMA/F16C")
     raw, _ = make_weight(qtype, (N, K), seed=2)
     layer = QLinear.from_gguf(raw, qtype, (N, K))
-    assert [(t, p.shape[0]) for t, p, _ in kernels.pack(layer.segments)] == [(kernels.X8 + qtype, N)]
+    assert [(t, p.shape[0]) for t, p in kernels.pack(layer.segments)] == [(kernels.X8 + qtype, N)]
     x = make_rows(16, seed=3)
     fast = with_isa(True, lambda: layer(x))
     slow = with_isa(False, lambda: layer(x))

@@ -278,7 +278,7 @@ def held(module: nn.Module, copies: bool = False) -> dict[tuple[str, int], int]:
         tensors = [*m.parameters(recurse=False), *m.buffers(recurse=False),
                    *(v for v in vars(m).values() if isinstance(v, torch.Tensor))]
         if isinstance(m, QLinear):
-            tensors += [t for _, raw, sums in m.desc.packed for t in (raw, sums) if t is not None]
+            tensors += [raw for _, raw in m.desc.packed]
             tensors += [raw for _, raw in m.segments] if copies else []
         for t in tensors:
             if t.device.type != "meta":

@@ -62,7 +62,7 @@ if _lib is not None:
                                  _vp, _vp, ctypes.c_int, ctypes.c_int, _vp, _vp, _vp, _vp, _vp, _i64, _vp]
     _lib.sc_glu.argtypes = [_vp, _i64, _i64, _i64, ctypes.c_int, _vp]
     _lib.sc_quantize_row.argtypes = [ctypes.c_int, _vp, _i64, _vp, _vp, _vp, _vp]
-    _lib.sc_pack_x8.argtypes = [ctypes.c_int, _vp, _i64, _i64, _vp, _vp]
+    _lib.sc_pack_x8.argtypes = [ctypes.c_int, _vp, _i64, _i64, _vp]
     _lib.sc_pack_x8.restype = ctypes.c_int
     _lib.sc_int8_peak.argtypes = [_i64]
     _lib.sc_int8_peak.restype = ctypes.c_double
@@ -131,28 +131,25 @@ HUGE_PAGE = 2 << 20  # bytes of an x86-64 transparent huge page
 PACKED_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K})  # those with an X8 layout
 
 
-def pack(segments: list[tuple[GGMLQuantizationType, torch.Tensor]]
-         ) -> list[tuple[int, torch.Tensor, torch.Tensor | None]]:
-    """Weight segments as the kernels read them fastest, (type, rows, sums): the rows of a segment of a
+def pack(segments: list[tuple[GGMLQuantizationType, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
+    """Weight segments as the kernels read them fastest, (type, rows): the rows of a segment of a
     PACKED_TYPES type regrouped 8 at a time (type X8 + its id: the same bytes in another order, as ggml's CPU
     backend repacks Q4_0/Q4_K for AVX2), the last group padded with zero rows that the kernels compute and never
     write (so every row of such a matrix goes through the same kernel: a row's result does not depend on how many
-    rows the matrix has); everything else as it is. Q6_K's also come with one int32 per row and block
-    (kernels.cpp sc_pack_x8: what the products of several rows take off), others with None. Every segment is copied
-    into `weight_buffer`s (the memory map's pages are then left alone)."""
-    out: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
+    rows the matrix has); everything else as it is. Every segment is copied into `weight_buffer`s (the memory
+    map's pages are then left alone)."""
+    out: list[tuple[int, torch.Tensor]] = []
     for qtype, raw in segments:
         if qtype not in PACKED_TYPES:
-            out.append((qtype, weight_buffer(raw.shape).copy_(raw), None))
+            out.append((qtype, weight_buffer(raw.shape).copy_(raw)))
             continue
         _sync_threads()
         n, row = raw.shape
         packed = weight_buffer(((n + 7) // 8 * 8, row))
         block, size = GGML_QUANT_SIZES[qtype]
         n_in = row // size * block
-        sums = torch.empty((n + 7) // 8 * 8 * (n_in // 256), dtype=torch.int32) if qtype == T.Q6_K else None
-        _lib.sc_pack_x8(int(qtype), raw.contiguous().data_ptr(), n, n_in, packed.data_ptr(), ptr(sums))
-        out.append((X8 + int(qtype), packed[:n], sums))  # n rows; the padding lives on in the view's storage
+        _lib.sc_pack_x8(int(qtype), raw.contiguous().data_ptr(), n, n_in, packed.data_ptr())
+        out.append((X8 + int(qtype), packed[:n]))  # n rows; the padding lives on in the view's storage
     return out
 
 
@@ -183,16 +180,15 @@ class LinearDesc(ctypes.Structure):
 
     _fields_ = [("n_seg", ctypes.c_int32), ("wtypes", ctypes.c_int32 * MAX_SEGMENTS),
                 ("weights", ctypes.c_void_p * MAX_SEGMENTS), ("n_out", ctypes.c_int64 * MAX_SEGMENTS),
-                ("K", ctypes.c_int64), ("bias", ctypes.c_void_p), ("sums", ctypes.c_void_p * MAX_SEGMENTS)]
+                ("K", ctypes.c_int64), ("bias", ctypes.c_void_p)]
 
     def __init__(self, segments: list[tuple[GGMLQuantizationType, torch.Tensor]], K: int, bias: torch.Tensor | None):
         if not 1 <= len(segments) <= MAX_SEGMENTS:
             raise ValueError(f"a linear layer takes 1 to {MAX_SEGMENTS} weight segments, got {len(segments)}")
         self.packed = segments = pack(segments)
-        super().__init__(len(segments), tuple(int(t) for t, _, _ in segments),
-                         tuple(r.data_ptr() for _, r, _ in segments), tuple(r.shape[0] for _, r, _ in segments), K,
-                         ptr(bias), tuple(ptr(sums) for _, _, sums in segments))
-        self.n_total = sum(r.shape[0] for _, r, _ in segments)
+        super().__init__(len(segments), tuple(int(t) for t, _ in segments), tuple(r.data_ptr() for _, r in segments),
+                         tuple(r.shape[0] for _, r in segments), K, ptr(bias))
+        self.n_total = sum(r.shape[0] for _, r in segments)
 
 
 def ptr(t: torch.Tensor | None) -> int | None:

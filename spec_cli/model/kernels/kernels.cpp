@@ -242,8 +242,7 @@ enum : int { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
 // 6-bit codes v rebuilt into 8-byte units per row (row c at 8 c) as Q4_K's runs are: 16 runs of 64 bytes of low
 // nibbles, run t holding values 16 t .. 16 t + 7 (low nibbles) and 16 t + 8 .. 16 t + 15 (high nibbles) of sub-block
 // t, then 8 runs of 64 bytes of the 2 high bits, run u holding at bits 2 k, 2 k + 1 those of values 32 u + 8 k + i
-// (i = 0..7). One 64-byte load then holds 8 consecutive values of all 8 rows. Beside the rows, per group block one
-// int32 per row (sc_pack_x8's sums), read only by the VNNI products of several activation rows.
+// (i = 0..7). One 64-byte load then holds 8 consecutive values of all 8 rows.
 constexpr int X8 = 256;
 
 // A Q6_K X8 group block: offsets of the scales, the low-nibble runs and the high-bit runs
@@ -327,7 +326,9 @@ struct ActRows {
     // registers); nd() blocks of `block` values
     int64_t M = 0;
     const int8_t* qb = nullptr;  // [nd, M, block]
-    const uint8_t* qub = nullptr;  // [nd, M, 256]: qb + 128 (Q8_K, for the VNNI Q6_K products of 2 or more rows)
+    // [nd, M, 32] (Q8_K, for the VNNI Q6_K products): per sub-block of 16 codes, -32 x the sum
+    // of its codes 0..3 and 8..11, then of 4..7 and 12..15 (x8_kernels.h dot_q6k_x8)
+    const int32_t* q6off = nullptr;
     const float* db = nullptr;  // [nd, M]
     const float* sb = nullptr;  // [nd, M] (Q8_1)
     const int32_t* isumb = nullptr;  // [nd, M]: Q8_0/Q8_1's isum widened (a broadcast from memory)
@@ -912,29 +913,26 @@ int register_rows() { return g_use_vnni ? 8 : 4; }
 
 #if SC_X86
 template <int R>
-void dot_x8_simd(int wtype, const uint8_t* w, const int32_t* sums, const ActRows& a, int64_t m, float* out,
-                 int64_t ldo) {
-    if (g_use_vnni) return x8_vnni::dot_x8<R>(wtype, w, sums, a, m, out, ldo);
-    if constexpr (R <= 4) x8_avx2::dot_x8<R>(wtype, w, sums, a, m, out, ldo);  // (register_rows: never more rows)
+void dot_x8_simd(int wtype, const uint8_t* w, const ActRows& a, int64_t m, float* out, int64_t ldo) {
+    if (g_use_vnni) return x8_vnni::dot_x8<R>(wtype, w, a, m, out, ldo);
+    if constexpr (R <= 4) x8_avx2::dot_x8<R>(wtype, w, a, m, out, ldo);  // (register_rows: never more rows)
 }
 #endif
 
 
-// activation rows m .. m + R - 1 (R <= register_rows()) against one group of an X8 segment (Q6_K: its sums,
-// sc_pack_x8): out[r * ldo + c]
-void dot_x8_rows(int R, int wtype, const uint8_t* w, const int32_t* sums, const ActRows& a, int64_t m,
-                 float* out, int64_t ldo) {
+// activation rows m .. m + R - 1 (R <= register_rows()) against one group of an X8 segment: out[r * ldo + c]
+void dot_x8_rows(int R, int wtype, const uint8_t* w, const ActRows& a, int64_t m, float* out, int64_t ldo) {
 #if SC_X86
     if (g_use_avx2) {
         switch (R) {
-            case 1: return dot_x8_simd<1>(wtype, w, sums, a, m, out, ldo);
-            case 2: return dot_x8_simd<2>(wtype, w, sums, a, m, out, ldo);
-            case 3: return dot_x8_simd<3>(wtype, w, sums, a, m, out, ldo);
-            case 4: return dot_x8_simd<4>(wtype, w, sums, a, m, out, ldo);
-            case 5: return dot_x8_simd<5>(wtype, w, sums, a, m, out, ldo);
-            case 6: return dot_x8_simd<6>(wtype, w, sums, a, m, out, ldo);
-            case 7: return dot_x8_simd<7>(wtype, w, sums, a, m, out, ldo);
-            default: return dot_x8_simd<8>(wtype, w, sums, a, m, out, ldo);
+            case 1: return dot_x8_simd<1>(wtype, w, a, m, out, ldo);
+            case 2: return dot_x8_simd<2>(wtype, w, a, m, out, ldo);
+            case 3: return dot_x8_simd<3>(wtype, w, a, m, out, ldo);
+            case 4: return dot_x8_simd<4>(wtype, w, a, m, out, ldo);
+            case 5: return dot_x8_simd<5>(wtype, w, a, m, out, ldo);
+            case 6: return dot_x8_simd<6>(wtype, w, a, m, out, ldo);
+            case 7: return dot_x8_simd<7>(wtype, w, a, m, out, ldo);
+            default: return dot_x8_simd<8>(wtype, w, a, m, out, ldo);
         }
     }
 #endif
@@ -952,7 +950,7 @@ void dot_x8_rows(int R, int wtype, const uint8_t* w, const int32_t* sums, const 
 // per-thread scratch for quantized activations, reused between calls
 struct ActBuffers {
     std::vector<int8_t> q;
-    std::vector<uint8_t> qub;
+    std::vector<int32_t> q6off;
     std::vector<float> d, s;
     std::vector<int16_t> isum;
     std::vector<int8_t> qb;
@@ -1082,6 +1080,23 @@ void sc_init(int n_threads, int isa, int64_t spin_ns) {
 
 // One weight matrix: n_seg segments stacked along the outputs (a fused q|k|v or gate|up), segment i holding n_out[i]
 // rows of row_bytes(wtypes[i], K) bytes each; bias [sum n_out] or null. Filled by kernels.LinearDesc (ctypes).
+// ActRows::q6off of n sub-blocks of 16 codes (block-major, as qb)
+const int32_t* q6_offsets(const int8_t* qb, int64_t n, std::vector<int32_t>& buf) {
+    buf.resize(2 * n);
+    int32_t* off = buf.data();  // through locals: stores into the vector's data would let its fields alias them
+    for (int64_t t = 0; t < n; t++) {
+        const int8_t* c = qb + 16 * t;
+        int first = 0, second = 0;
+        for (int i = 0; i < 4; i++) {
+            first += c[i] + c[8 + i];
+            second += c[4 + i] + c[12 + i];
+        }
+        off[2 * t] = -32 * first;
+        off[2 * t + 1] = -32 * second;
+    }
+    return off;
+}
+
 constexpr int MAX_SEG = 8;
 struct ScLinear {
     int32_t n_seg;
@@ -1090,7 +1105,6 @@ struct ScLinear {
     int64_t n_out[MAX_SEG];
     int64_t K;
     const float* bias;
-    const int32_t* sums[MAX_SEG];  // Q6_K X8 segments: sc_pack_x8's sums; else null
 };
 
 // y[M, ldy] (columns [0, sum n_out)) = x[M, K] times the weights transposed, plus the bias. 0 = done.
@@ -1111,17 +1125,8 @@ int sc_linear(const ScLinear* w, const float* x, int64_t M, float* y, int64_t ld
         const int kind = act_of(wtypes[i]);
         if (kind < 0 || K % block_size(wtypes[i]) != 0 || K % 32 != 0) return 2;
         if (!have[kind]) { acts[kind] = quantize_rows(kind, x, M, K, bufs[kind]); have[kind] = true; }
-        if (wtypes[i] == X8 + Q6_K && g_use_vnni && M > 1 && !acts[kind].qub) {  // (x8_kernels.h dot_q6k_x8)
-            // through locals only: byte stores may alias anything whose address is taken (the vector, M and K,
-            // which the lambda below captures), which left this loop scalar with a thread-local lookup per byte
-            // (~3 % of an 8-row 1.5b forward, the other threads idle)
-            const int64_t n = M * K;
-            std::vector<uint8_t>& buf = bufs[kind].qub;
-            buf.resize(n);
-            uint8_t* qub = buf.data();
-            const int8_t* qb = acts[kind].qb;
-            for (int64_t j = 0; j < n; j++) qub[j] = (uint8_t)(qb[j] ^ 0x80);
-            acts[kind].qub = qub;
+        if (wtypes[i] == X8 + Q6_K && g_use_vnni && !acts[kind].q6off) {  // (x8_kernels.h dot_q6k_x8)
+            acts[kind].q6off = q6_offsets(acts[kind].qb, M * K / 16, bufs[kind].q6off);
         }
         col0[i + 1] = col0[i] + n_out[i];
         seg_bytes[i] = row_bytes(wtypes[i], K);
@@ -1156,13 +1161,12 @@ int sc_linear(const ScLinear* w, const float* x, int64_t M, float* y, int64_t ld
                 const int64_t end = x8 ? std::min({n1, first + 8, col0[seg + 1]}) : n + 1;
                 const int width = x8 ? 8 : 1, max_r = x8 ? register_rows() : MAX_R;
                 const uint8_t* w_at = (const uint8_t*)weights[seg] + (first - col0[seg]) * seg_bytes[seg];
-                const int32_t* sums_at = w->sums[seg] ? w->sums[seg] + (first - col0[seg]) * (K / 256) : nullptr;
                 for (int64_t m = m0; m < m1; m += max_r) {
                     const int R = (int)std::min<int64_t>(max_r, m1 - m);
                     for (int r = 0; r < R; r++) rows[r] = m + r;
                     if (x8 && n == first && end == first + 8) {  // a whole group: the kernel stores into y
                         // (copied through `out`, a store-forwarding stall and a memcpy call per row: ~5 % of a pass)
-                        dot_x8_rows(R, wt, w_at, sums_at, a, m, y + m * ldy + n, ldy);
+                        dot_x8_rows(R, wt, w_at, a, m, y + m * ldy + n, ldy);
                         for (int r = 0; r < R && bias; r++) {  // through a local copy: y and bias may alias
                             float v[8];
                             std::memcpy(v, y + (m + r) * ldy + n, sizeof v);
@@ -1171,7 +1175,7 @@ int sc_linear(const ScLinear* w, const float* x, int64_t M, float* y, int64_t ld
                         }
                         continue;
                     }
-                    if (x8) dot_x8_rows(R, wt, w_at, sums_at, a, m, out, 8);
+                    if (x8) dot_x8_rows(R, wt, w_at, a, m, out, 8);
                     else dot_rows(R, wt, w_at, a, rows, out);
                     for (int r = 0; r < R; r++) {
                         for (int64_t col = n; col < end; col++) {
@@ -1445,9 +1449,7 @@ const std::vector<Field>* x8_fields(int wtype) {
 // the 6-bit codes of 8 Q6_K blocks (row c's at rows + c * stride) into a Q6_K X8 group block's runs (Q6K_X8). A row's
 // codes are decoded once, then placed 8 at a time: values 8 m .. 8 m + 7 sit in consecutive bytes of both runs, at
 // the same shifts (q6k_x8_slot). Value per value through the slot map, this was a third of a 1.5b's load time.
-// sums[c] = 128 x the sum over the block's sub-blocks j of row c's scale j x (its codes of j - 32 summed): what the
-// VNNI products of 2 or more rows take off per block (x8_kernels.h dot_q6k_x8)
-void pack_q6k_codes(const uint8_t* rows, int64_t stride, uint8_t* block, int32_t* sums) {
+void pack_q6k_codes(const uint8_t* rows, int64_t stride, uint8_t* block) {
     std::memset(block + Q6K_X8::nibbles, 0, Q6K_X8::bytes - Q6K_X8::nibbles);
     for (int c = 0; c < 8; c++) {
         const uint8_t* src = rows + c * stride;
@@ -1462,12 +1464,6 @@ void pack_q6k_codes(const uint8_t* rows, int64_t stride, uint8_t* block, int32_t
                 for (int l = 0; l < 32; l++) out[l] = (ql[l] >> (4 * (k / 2)) & 0xF) | (qh[l] >> (2 * k) & 3) << 4;
             }
         }
-        sums[c] = 0;
-        for (int j = 0; j < 16; j++) {
-            int sub = 0;
-            for (int i = 16 * j; i < 16 * j + 16; i++) sub += code[i] - 32;
-            sums[c] += 128 * (int8_t)src[192 + j] * sub;
-        }
         for (int m = 0; m < 32; m++) {
             const Q6KSlot at = q6k_x8_slot(c, 8 * m);
             for (int u = 0; u < 8; u++) {
@@ -1479,12 +1475,10 @@ void pack_q6k_codes(const uint8_t* rows, int64_t stride, uint8_t* block, int32_t
 }
 
 // rows src [N, row_bytes] of a type listed at X8 -> dst [ceil(N / 8) * 8, row_bytes] in its X8 layout, the rows
-// past N zeros; Q6_K also sums [ceil(N / 8), K / 256, 8] (pack_q6k_codes). 0 = done, 1 = a type without an X8
-// layout, 2 = Q6_K without sums.
-int sc_pack_x8(int wtype, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst, int32_t* sums) {
+// past N zeros. 0 = done, 1 = a type without an X8 layout.
+int sc_pack_x8(int wtype, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst) {
     const std::vector<Field>* fields = x8_fields(wtype);
     if (!fields) return 1;
-    if (wtype == Q6_K && !sums) return 2;
     const int64_t bs = row_bytes(wtype, block_size(wtype)), nb = K / block_size(wtype), rb = nb * bs;
     const std::function<void(int64_t)> fn = [&](int64_t group) {
         const uint8_t* rows = src + 8 * group * rb;
@@ -1504,7 +1498,7 @@ int sc_pack_x8(int wtype, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst
                 }
                 o += 8 * f.bytes;
             }
-            if (wtype == Q6_K) pack_q6k_codes(rows + b * bs, rb, block, sums + (group * nb + b) * 8);
+            if (wtype == Q6_K) pack_q6k_codes(rows + b * bs, rb, block);
             if (wtype == Q8_0) {  // signed codes -> unsigned (mod 256)
                 for (int i = 0; i < 256; i++) block[X32<Q8_0>::codes + i] += X32<Q8_0>::stored;
             }

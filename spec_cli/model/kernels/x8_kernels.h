@@ -300,16 +300,19 @@ void dot_q4k_x8(const uint8_t* w, const ActRows& a, int64_t m, float* out, int64
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * ldo, _mm256_sub_ps(acc[r], accm[r]));
 }
 
-// Q6_K X8 groups (kernels.cpp Q6K_X8) against Q8_K (R activation rows). Per sub-block of 16 values: the two 8-byte
-// runs of each weight row's codes (unsigned, < 64) times one 8-byte activation broadcast each (vpmaddubsw: int16 sums
-// of 2 products), added (4 products, |sum| <= 4 x 63 x 128 < 2^15) and multiplied by the rows' scales, the pairs
-// summed into the row's two 32-bit lanes (vpdpwssd; AVX2 vpmaddwd + vpaddd, 4 rows a vector): 3 multiply
-// instructions per 128 products where vpmaddubsw + vpdpwssd over the file's layout took 4 per 64, and the weights'
-// unpacking shared by the activation rows. The codes' -32 offset comes off per block as 32 x the scales times the
-// activation's sums of 16 (q6k_offsets), except with VNNI and 2 or more activation rows, where those took ~14 % of a
-// pass: there the codes are multiplied as codes - 32 (signed) with the activation codes + 128 (unsigned, ActRows::qub;
-// a pair of products |(y + 128)(v - 32)| <= 2 x 255 x 32, 4 of them < 2^15), and what the + 128 adds, 128 x the
-// scales times the sums of the codes - 32, is a constant of the weights (sc_pack_x8's sums) taken off per block.
+// Q6_K X8 groups (kernels.cpp Q6K_X8) against Q8_K (R activation rows). The integer block sum is that of scale x
+// (codes - 32) . (activation codes) over the 16 sub-blocks of 16 values.
+// VNNI: a run's 8 bytes per row (codes 0..63, unsigned) times one 8-byte activation broadcast each (vpdpbusd), two
+// runs per sub-block, so that lane 2 c holds row c's values 0..3 and 8..11 of the sub-block and lane 2 c + 1 values
+// 4..7 and 12..15. Each lane starts from -32 x the sum of its 8 activation codes (ActRows::q6off, a broadcast), so
+// it ends at the sum of (weight code - 32) x (activation code) over its 8 values, |sum| <= 8 x 32 x 127 < 2^15
+// (activation codes are within +-127): two sub-blocks' lanes are packed into one vector of int16 and multiplied by
+// the scales with one vpdpwssd, which also adds each lane pair. 5 multiply instructions per 256 products (vpmaddubsw
+// pairs added as int16 and a vpdpwssd per sub-block took 6, plus a copy of the activation codes + 128 and a constant
+// of the weights per row and block to take the + 128 off again).
+// AVX2: per sub-block the two 8-byte runs times their broadcasts (vpmaddubsw: int16 sums of 2 products), added (4
+// products, |sum| <= 4 x 63 x 128 < 2^15) and multiplied by the rows' scales (vpmaddwd + vpaddd, 4 rows a vector);
+// the -32 comes off per block as 32 x the scales times the activation's sums of 16 (q6k_offsets).
 // Exact integer sums throughout: every form gives the scalar twin's bits.
 
 // a Q6_K X8 block's high bits of the values at bits 2 k, 2 k + 1 of each byte, moved to bits 4 and 5 (k a constant)
@@ -367,76 +370,94 @@ inline void q6k_subblock_avx2(const uint8_t* blk, int t, const int8_t* y, __m256
     }
 }
 
+// For the VNNI Q6_K product, per pair of sub-blocks (t, t + 1): indices into their scales as int16 (word i < 8: row
+// i of sub-block t, else row i - 8 of t + 1) that give, in each 128-bit lane L, the scales of
+// _mm512_packs_epi32(p_t, p_t1)'s words there: rows 2L, 2L + 1 (a lane pair each) of sub-block t, then of t + 1
+struct PairRows { alignas(64) int16_t words[32]; };
+constexpr PairRows q6k_pair_rows() {
+    PairRows p{};
+    for (int i = 0; i < 32; i++) {
+        const int L = i / 8, w = i % 8;
+        p.words[i] = (int16_t)((w < 4 ? 0 : 8) + 2 * L + (w % 4) / 2);
+    }
+    return p;
+}
+inline constexpr PairRows Q6K_PAIR_ROWS = q6k_pair_rows();
+
 template <int R>
-void dot_q6k_x8(const uint8_t* w, const int32_t* sums, const ActRows& a, int64_t m, float* out, int64_t ldo) {
-    constexpr bool folded = VNNI && R > 1;  // (above; one row streams from memory: the offsets cost it nothing)
+void dot_q6k_x8(const uint8_t* w, const ActRows& a, int64_t m, float* out, int64_t ldo) {
     const int64_t M = a.M, nb = a.K / 256;
     __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     // block b of activation row m + r: ActRows' block-major arrays at [b][m + r], one pointer each for all the rows
-    const int8_t* y = (folded ? (const int8_t*)a.qub : a.qb) + m * 256;  // (folded: the bytes of qub)
+    const int8_t* y = a.qb + m * 256;
     const float* d = a.db + m;
     const int16_t* bsum = a.ksumb + m * 24;  // the per-16 sums
+    const int32_t* off = VNNI ? a.q6off + m * 32 : nullptr;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t* blk = w + b * Q6K_X8::bytes;
         prefetch_ahead<Q6K_X8::bytes>(blk);  // one row too (see PF_BYTES)
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
-        __m256i off[R], sumi[R];  // lane c: row c
-        if constexpr (!folded) q6k_offsets<R>(blk, bsum, off);
+        __m256i sumi[R];  // lane c: row c
         if constexpr (VNNI) {
-            const __m512i m4 = _mm512_set1_epi8(0xF), offset = _mm512_set1_epi8(folded ? 32 : 0);
-            alignas(64) int16_t pick_words[32];  // word w: the scale of row w / 4 (lanes 2 c, 2 c + 1: row c)
-            for (int i = 0; i < 32; i++) pick_words[i] = (int16_t)(i / 4);
-            const __m512i pick = _mm512_load_si512(pick_words);
-            __m512i sum[R];
+            const __m512i m4 = _mm512_set1_epi8(0xF), pick = _mm512_load_si512(Q6K_PAIR_ROWS.words);
+            __m512i sum[R];  // per 128-bit lane L: rows 2L, 2L + 1 of the even sub-blocks, then of the odd ones
             for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_si512();
-#pragma GCC unroll 16
-            for (int t = 0; t < 16; t++) {  // unrolled: the high bits' shifts are constants
-                const __m512i nib = _mm512_loadu_si512((const void*)(blk + Q6K_X8::nibbles + 64 * t));
-                const __m512i high = _mm512_loadu_si512((const void*)(blk + Q6K_X8::high + 64 * (t / 2)));
-                const __m512i v1 = _mm512_sub_epi8(
-                    _mm512_or_si512(_mm512_and_si512(nib, m4), q6k_high(high, 2 * (t % 2))), offset);
-                const __m512i v2 = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(nib, 4), m4),
-                                                                   q6k_high(high, 2 * (t % 2) + 1)), offset);
-                const __m128i s8 = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)(blk + Q6K_X8::scales + 8 * t)));
-                const __m512i sc = _mm512_permutexvar_epi16(pick, _mm512_castsi128_si512(s8));
+#pragma GCC unroll 8
+            for (int t = 0; t < 16; t += 2) {  // unrolled: the high bits' shifts are constants
+                __m512i v[2][2];  // the codes (0..63) of sub-blocks t, t + 1: values 0..7 and 8..15 of each
+                const __m512i high = _mm512_loadu_si512((const void*)(blk + Q6K_X8::high + 32 * t));
+                for (int u = 0; u < 2; u++) {
+                    const __m512i nib = _mm512_loadu_si512((const void*)(blk + Q6K_X8::nibbles + 64 * (t + u)));
+                    v[u][0] = _mm512_or_si512(_mm512_and_si512(nib, m4), q6k_high(high, 2 * u));
+                    v[u][1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(nib, 4), m4),
+                                              q6k_high(high, 2 * u + 1));
+                }
+                const __m256i s16 =
+                    _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + Q6K_X8::scales + 8 * t)));
+                const __m512i sc = _mm512_permutexvar_epi16(pick, _mm512_castsi256_si512(s16));
                 for (int r = 0; r < R; r++) {
-                    int64_t y1, y2;
-                    std::memcpy(&y1, y + 256 * r + 16 * t, 8);
-                    std::memcpy(&y2, y + 256 * r + 16 * t + 8, 8);
-                    const __m512i b1 = _mm512_set1_epi64(y1), b2 = _mm512_set1_epi64(y2);
-                    const __m512i p = folded  // (vpmaddubsw: the unsigned bytes first)
-                        ? _mm512_add_epi16(_mm512_maddubs_epi16(b1, v1), _mm512_maddubs_epi16(b2, v2))
-                        : _mm512_add_epi16(_mm512_maddubs_epi16(v1, b1), _mm512_maddubs_epi16(v2, b2));
-                    sum[r] = _mm512_dpwssd_epi32(sum[r], p, sc);
+                    __m512i p[2];  // lane 2 c: row c's values 0..3 and 8..11 of the sub-block, 2 c + 1: 4..7, 12..15
+                    for (int u = 0; u < 2; u++) {
+                        int64_t y1, y2, o;
+                        std::memcpy(&y1, y + 256 * r + 16 * (t + u), 8);
+                        std::memcpy(&y2, y + 256 * r + 16 * (t + u) + 8, 8);
+                        std::memcpy(&o, off + 32 * r + 2 * (t + u), 8);
+                        p[u] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_set1_epi64(o), v[u][0],
+                                                                       _mm512_set1_epi64(y1)),
+                                                   v[u][1], _mm512_set1_epi64(y2));
+                    }
+                    sum[r] = _mm512_dpwssd_epi32(sum[r], _mm512_packs_epi32(p[0], p[1]), sc);
                 }
             }
-            for (int r = 0; r < R; r++) {  // lane 2 c + lane 2 c + 1, in the low half of each 64-bit lane
-                sumi[r] = _mm512_cvtepi64_epi32(_mm512_add_epi32(sum[r], _mm512_srli_epi64(sum[r], 32)));
+            const __m512i in_order = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 0, 1, 4, 5, 8, 9, 12, 13);
+            for (int r = 0; r < R; r++) {  // the even sub-blocks + the odd ones of each row, rows in order
+                const __m512i rows2 = _mm512_add_epi32(sum[r], _mm512_shuffle_epi32(sum[r], _MM_PERM_BADC));
+                sumi[r] = _mm512_castsi512_si256(_mm512_permutexvar_epi32(in_order, rows2));
             }
         } else {
-            __m256i sum[2][R];
+            __m256i off16[R], sum[2][R];
+            q6k_offsets<R>(blk, bsum, off16);
             for (int r = 0; r < R; r++) sum[0][r] = sum[1][r] = _mm256_setzero_si256();
 #pragma GCC unroll 16
             for (int t = 0; t < 16; t++) q6k_subblock_avx2<R>(blk, t, y, sum);  // unrolled: constant shifts
             for (int r = 0; r < R; r++) {  // lane pairs summed: rows 0 1 4 5 | 2 3 6 7, then in order
-                sumi[r] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(sum[0][r], sum[1][r]), _MM_SHUFFLE(3, 1, 2, 0));
+                const __m256i pairs = _mm256_hadd_epi32(sum[0][r], sum[1][r]);
+                sumi[r] = _mm256_sub_epi32(_mm256_permute4x64_epi64(pairs, _MM_SHUFFLE(3, 1, 2, 0)),
+                                           _mm256_slli_epi32(off16[r], 5));
             }
         }
-        const __m256i taken = folded ? _mm256_loadu_si256((const __m256i*)(sums + 8 * b)) : _mm256_setzero_si256();
         for (int r = 0; r < R; r++) {
-            const __m256i s = folded ? _mm256_sub_epi32(sumi[r], taken)
-                                     : _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(off[r], 5));
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(d[r])), _mm256_cvtepi32_ps(s), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(d[r])), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
         }
         y += 256 * M; d += M; bsum += 24 * M;
+        if constexpr (VNNI) off += 32 * M;
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * ldo, acc[r]);
 }
 
 template <int R>
-void dot_x8(int wtype, const uint8_t* w, const int32_t* sums, const ActRows& a, int64_t m, float* out,
-            int64_t ldo) {
+void dot_x8(int wtype, const uint8_t* w, const ActRows& a, int64_t m, float* out, int64_t ldo) {
     switch (wtype - X8) {
         case Q4_0: return dot32_x8<R, Q4_0>(w, a, m, out, ldo);
         case Q4_1: return dot32_x8<R, Q4_1>(w, a, m, out, ldo);
@@ -444,7 +465,7 @@ void dot_x8(int wtype, const uint8_t* w, const int32_t* sums, const ActRows& a, 
         case Q5_1: return dot32_x8<R, Q5_1>(w, a, m, out, ldo);
         case Q8_0: return dot32_x8<R, Q8_0>(w, a, m, out, ldo);
         case Q4_K: return dot_q4k_x8<R>(w, a, m, out, ldo);
-        case Q6_K: return dot_q6k_x8<R>(w, sums, a, m, out, ldo);
+        case Q6_K: return dot_q6k_x8<R>(w, a, m, out, ldo);
     }
 }
 
