@@ -64,7 +64,7 @@ def main() -> None:
     print(f"int8 multiply peak: {peak / 1e9:.1f} G products/s on {args.threads} thread(s)")
     for qtype in TYPES:
         layer, n_weights = random_layer(qtype, args.n_in, args.mb)
-        n_bytes = sum(p.numel() for _, p, _ in layer.packed)
+        n_bytes = sum(p.numel() for _, p in layer.packed)
         cells = []
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, args.n_in)

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import gc
 import math
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -258,6 +261,20 @@ def test_the_multiply_peak_is_measured_where_the_products_have_simd_kernels():
         pytest.skip("this CPU has no AVX2/FMA/F16C")
     assert kernels.int8_peak(20_000) > 1e10
     assert with_isa(False, lambda: kernels.int8_peak(20_000)) == 0.0
+
+
+def test_measure_kernels_reports_every_packed_type_against_the_peak():
+    """scripts/measure_kernels.py (the figures of docs/performance.md) runs on the current packing and prints a GB/s
+    and a share of the peak per block type and row count."""
+    if not kernels.has_avx2():
+        pytest.skip("this CPU has no AVX2/FMA/F16C: no peak to share")
+    script = Path(__file__).parent.parent / "scripts" / "measure_kernels.py"
+    run = subprocess.run([sys.executable, str(script), "-k", "256", "--mb", "1", "--rows", "1,3", "--seconds", "0"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    rows = [line.split() for line in run.stdout.splitlines()[1:]]
+    assert [r[0] for r in rows] == ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_1"]
+    assert all(r.count("GB/s") == 2 and r.count("%") == 2 for r in rows), run.stdout
 
 
 # --- (c) each row's output is independent of the batch ---------------------------------------------------------
