@@ -1078,8 +1078,6 @@ void sc_init(int n_threads, int isa, int64_t spin_ns) {
     pool().set_spin_ns(spin_ns);
 }
 
-// One weight matrix: n_seg segments stacked along the outputs (a fused q|k|v or gate|up), segment i holding n_out[i]
-// rows of row_bytes(wtypes[i], K) bytes each; bias [sum n_out] or null. Filled by kernels.LinearDesc (ctypes).
 // ActRows::q6off of n sub-blocks of 16 codes (block-major, as qb)
 const int32_t* q6_offsets(const int8_t* qb, int64_t n, std::vector<int32_t>& buf) {
     buf.resize(2 * n);
@@ -1097,6 +1095,8 @@ const int32_t* q6_offsets(const int8_t* qb, int64_t n, std::vector<int32_t>& buf
     return off;
 }
 
+// One weight matrix: n_seg segments stacked along the outputs (a fused q|k|v or gate|up), segment i holding n_out[i]
+// rows of row_bytes(wtypes[i], K) bytes each; bias [sum n_out] or null. Filled by kernels.LinearDesc (ctypes).
 constexpr int MAX_SEG = 8;
 struct ScLinear {
     int32_t n_seg;

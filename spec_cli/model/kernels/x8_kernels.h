@@ -136,6 +136,14 @@ void dot32_x8(const uint8_t* w, const ActRows& a, int64_t m, float* out, int64_t
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * ldo, L::has_min ? _mm256_add_ps(acc[r], accm[r]) : acc[r]);
 }
 
+// From per-128-bit-lane sums laid out as the VNNI Q4_K and Q6_K products leave them (lane L: rows 2L, 2L + 1 of one
+// part of the block, then the same rows of the other part): each row's two parts added, rows 0..7 in order
+inline __m256i rows_in_order(__m512i sums) {
+    const __m512i in_order = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 0, 1, 4, 5, 8, 9, 12, 13);
+    const __m512i rows2 = _mm512_add_epi32(sums, _mm512_shuffle_epi32(sums, _MM_PERM_BADC));
+    return _mm512_castsi512_si256(_mm512_permutexvar_epi32(in_order, rows2));
+}
+
 // byte s (0..3) of each 32-bit lane of v, as the lane's int16 pair (byte, byte): vpmaddwd sums the pair's two
 // int16 products into the lane (the AVX2 Q4_K product)
 inline __m256i lane_byte(__m256i v, int s) {
@@ -236,11 +244,7 @@ void dot_q4k_x8(const uint8_t* w, const ActRows& a, int64_t m, float* out, int64
                     sum2[r] = _mm512_dpwssd_epi32(sum2[r], _mm512_packs_epi32(p_lo, p_hi), scale);
                 }
             }
-            const __m512i in_order = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 0, 1, 4, 5, 8, 9, 12, 13);
-            for (int r = 0; r < R; r++) {  // sub-block 2j + sub-block 2j + 1 of each row, rows in order
-                const __m512i rows2 = _mm512_add_epi32(sum2[r], _mm512_shuffle_epi32(sum2[r], _MM_PERM_BADC));
-                sumi[r] = _mm512_castsi512_si256(_mm512_permutexvar_epi32(in_order, rows2));
-            }
+            for (int r = 0; r < R; r++) sumi[r] = rows_in_order(sum2[r]);  // sub-blocks 2j + sub-blocks 2j + 1
         } else {
             // each row's scale bytes in both lanes of its pair: rows 0..3 (a), rows 4..7 (b)
             const __m256i dup_a = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
@@ -430,11 +434,7 @@ void dot_q6k_x8(const uint8_t* w, const ActRows& a, int64_t m, float* out, int64
                     sum[r] = _mm512_dpwssd_epi32(sum[r], _mm512_packs_epi32(p[0], p[1]), sc);
                 }
             }
-            const __m512i in_order = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 0, 1, 4, 5, 8, 9, 12, 13);
-            for (int r = 0; r < R; r++) {  // the even sub-blocks + the odd ones of each row, rows in order
-                const __m512i rows2 = _mm512_add_epi32(sum[r], _mm512_shuffle_epi32(sum[r], _MM_PERM_BADC));
-                sumi[r] = _mm512_castsi512_si256(_mm512_permutexvar_epi32(in_order, rows2));
-            }
+            for (int r = 0; r < R; r++) sumi[r] = rows_in_order(sum[r]);  // even sub-blocks + odd ones
         } else {
             __m256i off16[R], sum[2][R];
             q6k_offsets<R>(blk, bsum, off16);
